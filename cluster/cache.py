@@ -1,0 +1,93 @@
+"""Per-request caches of a shard's layers, with the snapshots that make a draft undoable.
+
+A full-attention layer keeps mlx-lm's `KVCache`: undoing positions is a trim of its offset.
+A GatedDeltaNet layer keeps mlx-lm's `ArraysCache` (conv state, recurrent state): its state
+folds every position in, so it cannot be trimmed; instead, while a step carries drafts, the
+layer records its state after each confirmed prefix (`record_snapshot`) and a rejection
+restores the one at the kept length. Snapshots live only until the next step of the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+LayerCache = KVCache | ArraysCache
+
+
+def make_layer_cache(is_linear: bool) -> LayerCache:
+    return ArraysCache(size=2) if is_linear else KVCache()
+
+
+@dataclass(slots=True)
+class RequestCache:
+    """The caches of one request on one shard (one per layer), and its pending snapshots.
+
+    `snapshots[layer][keep]` is a GatedDeltaNet layer's (conv, recurrent) state after the
+    first `keep` positions of the last step. `last_step_len` is how many positions that step
+    added, so that a rollback can name what it drops.
+    """
+
+    layers: list[LayerCache]
+    snapshots: dict[int, dict[int, tuple[mx.array, mx.array]]] = field(default_factory=dict)
+    last_step_len: int = 0
+    position: int = 0  # positions held in the caches
+
+    @classmethod
+    def for_layers(cls, linear_flags: list[bool]) -> RequestCache:
+        return cls([make_layer_cache(f) for f in linear_flags])
+
+    def begin_step(self, rollback: int, n_tokens: int) -> None:
+        """Apply the previous step's rollback signal, drop its snapshots, expect a new step."""
+        if rollback:
+            self.rollback(rollback)
+        self.snapshots.clear()
+        self.last_step_len = n_tokens
+        self.position += n_tokens
+
+    def rollback(self, drop: int) -> None:
+        """Undo the last `drop` positions of the previous step: restore GDN state, trim KV."""
+        if drop > self.last_step_len:
+            raise ValueError(
+                f"rollback of {drop} positions exceeds the last step's {self.last_step_len}"
+            )
+        keep = self.last_step_len - drop
+        for index, cache in enumerate(self.layers):
+            if isinstance(cache, KVCache):
+                cache.trim(drop)
+                continue
+            try:
+                cache[0], cache[1] = self.snapshots[index][keep]
+            except KeyError:
+                raise ValueError(
+                    f"no snapshot after position {keep} of the last step in layer {index}"
+                ) from None
+        self.snapshots.clear()
+        self.last_step_len = keep
+        self.position -= drop
+
+    def record_snapshot(self, layer: int, keep: int, conv: mx.array, state: mx.array) -> None:
+        self.snapshots.setdefault(layer, {})[keep] = (conv, state)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for cache in self.layers:
+            if isinstance(cache, KVCache):
+                total += cache.nbytes if cache.keys is not None else 0
+            else:
+                total += sum(a.nbytes for a in cache.cache if a is not None)
+        return total
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the caches hold (to evaluate them together)."""
+        out: list[mx.array] = []
+        for cache in self.layers:
+            if isinstance(cache, KVCache):
+                if cache.keys is not None:
+                    out += [cache.keys, cache.values]
+            else:
+                out += [a for a in cache.cache if a is not None]
+        return out

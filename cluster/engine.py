@@ -1,0 +1,157 @@
+"""The generation engine: one request's loop of pipeline steps, local or across nodes.
+
+The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
+the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
+so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down), then
+decode steps. With MTP, each decode step feeds `[y, d]`: the last emitted token and the tail's
+draft of the next one; the result says how many positions stay, and the difference travels on
+the next step as its rollback signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from cluster.messages import RequestError, RequestOptions, StepRequest, StepResult
+from cluster.pipeline import Pipeline
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    options: RequestOptions = field(default_factory=RequestOptions)
+    stop_tokens: frozenset[int] = frozenset()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise RequestError("the prompt is empty")
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationChunk:
+    tokens: tuple[int, ...]  # newly emitted tokens
+    finish_reason: str | None  # "stop" | "length" | None
+    drafted: int  # cumulative
+    accepted: int  # cumulative
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    tokens: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+    drafted: int
+    accepted: int
+    generation_tps: float  # tokens/s after the first token
+    time_to_first_token_s: float
+
+
+class GenerationEngine:
+    def __init__(self, pipeline: Pipeline, *, prefill_chunk: int = 512):
+        self.pipeline = pipeline
+        self.prefill_chunk = prefill_chunk
+
+    @property
+    def max_context(self) -> int:
+        return self.pipeline.max_context
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Yield tokens as the pipeline emits them. Closing the generator early cancels the
+        request; its state is released on every shard in all cases."""
+        if len(request.prompt) + request.max_tokens > self.max_context:
+            raise RequestError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) "
+                f"exceeds the context of {self.max_context} tokens"
+            )
+        rid = request.request_id
+        try:
+            step, result = await self._prefill(request)
+            produced = drafted = accepted = 0
+            while True:
+                drafted += result.drafted
+                accepted += result.accepted
+                tokens, finish = _cut(result.tokens, request, produced)
+                produced += len(tokens)
+                yield GenerationChunk(tokens, finish, drafted, accepted)
+                if finish:
+                    return
+                step = self._next_step(step, result, request)
+                result = await self.pipeline.submit(step)
+        finally:
+            await asyncio.shield(self.pipeline.release(rid))
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        start = time.perf_counter()
+        first = None
+        tokens: list[int] = []
+        chunk = None
+        async for chunk in self.stream(request):
+            if first is None:
+                first = time.perf_counter()
+            tokens += chunk.tokens
+        end = time.perf_counter()
+        assert chunk is not None and chunk.finish_reason is not None and first is not None
+        after_first = max(len(tokens) - 1, 0)
+        return GenerationOutput(
+            tokens=tuple(tokens),
+            finish_reason=chunk.finish_reason,
+            prompt_tokens=len(request.prompt),
+            drafted=chunk.drafted,
+            accepted=chunk.accepted,
+            generation_tps=after_first / (end - first) if end > first else 0.0,
+            time_to_first_token_s=first - start,
+        )
+
+    async def _prefill(self, request: GenerationRequest) -> tuple[StepRequest, StepResult]:
+        prompt, size = request.prompt, self.prefill_chunk
+        steps = [
+            StepRequest(
+                request.request_id,
+                prompt[i : i + size],
+                position=i,
+                sample=i + size >= len(prompt),
+                options=request.options if i == 0 else None,
+            )
+            for i in range(0, len(prompt), size)
+        ]
+        # Submitted together: a later chunk can enter the head while an earlier one runs on.
+        pending = [asyncio.ensure_future(self.pipeline.submit(s)) for s in steps]
+        try:
+            results = await asyncio.gather(*pending)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+        return steps[-1], results[-1]
+
+    @staticmethod
+    def _next_step(step: StepRequest, result: StepResult, request: GenerationRequest) -> StepRequest:
+        last = result.tokens[-1]
+        draft = result.draft if request.options.mtp else None
+        return StepRequest(
+            request.request_id,
+            (last,) if draft is None else (last, draft),
+            position=step.position + result.keep,
+            draft_len=0 if draft is None else 1,
+            rollback=len(step.tokens) - result.keep,
+        )
+
+
+def _cut(
+    tokens: tuple[int, ...], request: GenerationRequest, produced: int
+) -> tuple[tuple[int, ...], str | None]:
+    """The emitted tokens up to a stop token (not included) or max_tokens, and why it ended."""
+    for i, token in enumerate(tokens):
+        if token in request.stop_tokens:
+            return tokens[:i], "stop"
+        if produced + i + 1 >= request.max_tokens:
+            return tokens[: i + 1], "length"
+    return tokens, None

@@ -1,0 +1,142 @@
+"""Qwen3.5 decoder layers over a packed batch of requests.
+
+A step on a node may carry several requests at once (continuous batching). Their positions
+are packed along the sequence axis into one `[1, L, hidden]` tensor: the projections, norms
+and MLP run once over all of them (that is where the weights are read, so that is what
+batching saves), while the token mixers (GatedDeltaNet recurrence, attention over the KV
+cache) run per request on its own slice with its own cache.
+
+The modules extend mlx-lm's `qwen3_5` classes, so parameters, weight names and quantization
+are exactly mlx-lm's; only the call changes. The GatedDeltaNet call adds the `n_confirmed`
+split: positions from `n_confirmed` on are drafts, and the layer records its state after
+each confirmed prefix so that a rejected draft can be undone by a restore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
+
+from cluster.cache import RequestCache
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One request's slice of a packed batch: `length` positions, the first `n_confirmed`
+    of them confirmed tokens and the rest drafts."""
+
+    cache: RequestCache
+    length: int
+    n_confirmed: int
+
+
+def _split(x: mx.array, segments: list[Segment]) -> list[mx.array]:
+    if len(segments) == 1:
+        return [x]
+    out, start = [], 0
+    for seg in segments:
+        out.append(x[:, start : start + seg.length])
+        start += seg.length
+    return out
+
+
+def _join(parts: list[mx.array]) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+class PackedGatedDeltaNet(GatedDeltaNet):
+    def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
+        _, length, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(1, length, self.num_v_heads, self.head_v_dim)
+        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        parts = zip(_split(qkv, segments), _split(a, segments), _split(b, segments), strict=True)
+        mixed = [self._mix(*p, seg, slot) for p, seg in zip(parts, segments, strict=True)]
+        out = self.norm(_join(mixed), z)
+        return self.out_proj(out.reshape(1, length, -1))
+
+    def _mix(self, qkv: mx.array, a: mx.array, b: mx.array, seg: Segment, slot: int) -> mx.array:
+        cache = seg.cache.layers[slot]
+        n_keep = self.conv_kernel_size - 1
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((1, n_keep, self.conv_dim), dtype=qkv.dtype)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:])
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = (
+            t.reshape(1, seg.length, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+                strict=True,
+            )
+        )
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+
+        # The recurrence runs in pieces split at every draft position, recording the state
+        # after each confirmed prefix; a rejected draft restores one of those.
+        state = cache[1]
+        outs, begin = [], 0
+        for keep in [*range(seg.n_confirmed, seg.length), seg.length]:
+            piece = slice(begin, keep)
+            out, state = gated_delta_update(
+                q[:, piece], k[:, piece], v[:, piece], a[:, piece], b[:, piece],
+                self.A_log, self.dt_bias, state, None, use_kernel=not self.training,
+            )  # fmt: skip
+            outs.append(out)
+            if keep < seg.length:
+                seg.cache.record_snapshot(slot, keep, conv_input[:, keep : keep + n_keep], state)
+            begin = keep
+        cache[1] = state
+        return _join(outs)
+
+
+class PackedAttention(Attention):
+    def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
+        _, length, _ = x.shape
+        queries, gate = mx.split(
+            self.q_proj(x).reshape(1, length, self.num_attention_heads, -1), 2, axis=-1
+        )
+        keys = self.k_norm(self.k_proj(x).reshape(1, length, self.num_key_value_heads, -1))
+        values = self.v_proj(x).reshape(1, length, self.num_key_value_heads, -1)
+        queries = self.q_norm(queries)
+        parts = zip(
+            _split(queries, segments), _split(keys, segments), _split(values, segments),
+            strict=True,
+        )  # fmt: skip
+        mixed = [self._attend(*p, seg, slot) for p, seg in zip(parts, segments, strict=True)]
+        return self.o_proj(_join(mixed) * mx.sigmoid(gate.reshape(1, length, -1)))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, slot: int) -> mx.array:
+        cache = seg.cache.layers[slot]
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        mask = "causal" if seg.length > 1 else None
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(1, seg.length, -1)
+
+
+class PackedDecoderLayer(DecoderLayer):
+    """mlx-lm's Qwen3.5 decoder layer, with the packed mixers above."""
+
+    def __init__(self, args: TextModelArgs, layer_idx: int):
+        super().__init__(args, layer_idx)
+        # Replacing the mixers costs nothing: mlx-lm's were never evaluated.
+        if self.is_linear:
+            self.linear_attn = PackedGatedDeltaNet(args)
+        else:
+            self.self_attn = PackedAttention(args)
+
+    def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), segments, slot)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,108 @@
+"""The internal messages of one pipeline step, shared by the engine, the shards and the wire.
+
+A request moves through the pipeline as a series of steps. Each step feeds some tokens to the
+head; every node runs its layers over the positions of those tokens; the tail turns the last
+hidden states into tokens. These dataclasses are what the engine, the in-process pipeline and
+the gRPC codec (`cluster.wire`) all speak; protobuf never leaks past the codec.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (bad parameters, too long, unknown id...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the tail turns a distribution into a token. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 <= self.min_p < 1.0):
+            raise RequestError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What the tail must know about a request; sent once, on its first step."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    mtp: bool = True
+    logprobs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One request's share of a pipeline step.
+
+    `tokens` are fed at the head at absolute positions `position ...`. The last `draft_len` of
+    them are speculative drafts: every GatedDeltaNet layer keeps a snapshot of its state before
+    them so that a rejection can be undone. `rollback` is the trim-and-restore signal of the
+    previous step: drop that many of its trailing positions before computing this one. It rides
+    on the step so that a rejection costs no message of its own.
+    """
+
+    request_id: str
+    tokens: tuple[int, ...]
+    position: int
+    draft_len: int = 0
+    rollback: int = 0
+    sample: bool = True  # False for a prefill chunk that is not the prompt's last
+    options: RequestOptions | None = None  # set on the first step of a request only
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise RequestError("a step needs at least one token")
+        if self.position < 0 or self.rollback < 0:
+            raise RequestError("position and rollback must be >= 0")
+        if not (0 <= self.draft_len < len(self.tokens)):
+            raise RequestError("draft_len must leave at least one confirmed token")
+
+    @property
+    def n_confirmed(self) -> int:
+        return len(self.tokens) - self.draft_len
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What the tail answers for one request's step.
+
+    `tokens` are the newly emitted tokens (accepted drafts, then the correction or bonus
+    token); empty for an intermediate prefill chunk. `keep` is how many of the step's positions
+    stay in the caches; the engine sends `len(step.tokens) - keep` as the next step's rollback.
+    `draft` is the MTP head's proposal for the token after the last emitted one.
+    """
+
+    request_id: str
+    tokens: tuple[int, ...]
+    keep: int
+    draft: int | None = None
+    drafted: int = 0
+    accepted: int = 0
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Free a request's state on every node (finished, cancelled or failed)."""
+
+    request_id: str

@@ -1,0 +1,119 @@
+"""The engine's view of a pipeline, and the in-process one.
+
+`Pipeline` is all the generation engine knows of where the layers run: submit a step, get the
+tail's result; release a request. `LocalPipeline` runs shards in this process (one shard for
+the whole model, or several one after the other); the remote pipeline (`node.client`) runs
+them on node daemons. Concurrent submissions are gathered into packed batches, at most one
+step per request per batch, so several requests share each pass over the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Protocol
+
+from cluster.messages import RequestError, StepRequest, StepResult
+from cluster.runner import ShardRunner
+from cluster.worker import MLXWorker
+
+
+class Pipeline(Protocol):
+    @property
+    def max_context(self) -> int: ...
+
+    async def submit(self, step: StepRequest) -> StepResult: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+
+def take_batch(
+    queue: deque[tuple[StepRequest, asyncio.Future]], limit: int
+) -> list[tuple[StepRequest, asyncio.Future]]:
+    """The oldest queued steps, at most one per request (a request's next chunk waits for the
+    next batch) and at most `limit` positions (the first step is always taken)."""
+    batch, seen, deferred, positions = [], set(), [], 0
+    while queue:
+        step, future = queue.popleft()
+        if future.done():  # its submitter was cancelled
+            continue
+        if step.request_id in seen or (batch and positions + len(step.tokens) > limit):
+            deferred.append((step, future))
+            continue
+        seen.add(step.request_id)
+        positions += len(step.tokens)
+        batch.append((step, future))
+    queue.extendleft(reversed(deferred))
+    return batch
+
+
+class LocalPipeline:
+    def __init__(
+        self,
+        runners: list[ShardRunner],
+        worker: MLXWorker,
+        *,
+        max_context: int,
+        max_batch_positions: int = 4096,
+    ):
+        if not runners or not runners[0].spec.is_head or not runners[-1].spec.is_tail:
+            raise ValueError("a pipeline runs from a head shard to a tail shard")
+        self.runners = runners
+        self.worker = worker
+        self._max_context = max_context
+        self.max_batch_positions = max_batch_positions
+        self._queue: deque[tuple[StepRequest, asyncio.Future]] = deque()
+        self._drainer: asyncio.Task | None = None
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    async def submit(self, step: StepRequest) -> StepResult:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((step, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await future
+
+    async def release(self, request_id: str) -> None:
+        await self.worker.run(self._release, request_id)
+
+    def _release(self, request_id: str) -> None:
+        for runner in self.runners:
+            runner.release(request_id)
+
+    async def _drain(self) -> None:
+        while self._queue:
+            await asyncio.sleep(0)  # let concurrent submitters join the batch
+            batch = take_batch(self._queue, self.max_batch_positions)
+            if not batch:
+                continue
+            steps = [step for step, _ in batch]
+            try:
+                results, errors = await self.worker.run(self._run, steps)
+            except Exception as error:  # a failure of the whole batch fails each request
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for step, future in batch:
+                if future.done():
+                    continue
+                if step.request_id in errors:
+                    future.set_exception(errors[step.request_id])
+                else:
+                    future.set_result(results[step.request_id])
+
+    def _run(self, steps: list[StepRequest]) -> tuple[dict[str, StepResult], dict[str, RequestError]]:
+        errors: dict[str, RequestError] = {}
+        hidden = None
+        for runner in self.runners:
+            out = runner.run(steps, hidden)
+            errors.update(out.errors)
+            steps, hidden = out.steps, out.hidden
+            if not steps:
+                break
+        for rid in errors:  # a request that failed on one shard is dropped from all of them
+            self._release(rid)
+        return {r.request_id: r for r in out.results}, errors

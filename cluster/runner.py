@@ -1,0 +1,187 @@
+"""A shard with the per-request state it keeps: what a node (or the local pipeline) runs.
+
+`ShardRunner.run` takes one packed batch of step requests (at most one step per request) and
+returns the hidden states for the next node or, on the tail, the step results. Requests that
+cannot run (unknown id, wrong position, over the cache budget) are answered with an error of
+their own and left out of the batch; the other requests of the batch run as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from cluster.cache import RequestCache
+from cluster.layers import Segment
+from cluster.messages import RequestError, StepRequest, StepResult
+from cluster.shard import ModelShard
+from cluster.tail import Tail, TailRequest
+
+log = logging.getLogger(__name__)
+
+KV_ALLOCATION_STEP = 256  # mlx-lm's KVCache grows in blocks of this many positions
+
+
+class CacheBudgetError(RequestError):
+    pass
+
+
+@dataclass(slots=True)
+class RequestState:
+    cache: RequestCache
+    tail: TailRequest | None
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes + (self.tail.nbytes if self.tail else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    """`hidden` ([1, L, hidden], the rows of the requests that ran, in order) from a non-tail
+    shard; `results` from the tail; `errors` for the requests that could not run."""
+
+    steps: list[StepRequest]
+    hidden: mx.array | None = None
+    results: list[StepResult] = field(default_factory=list)
+    errors: dict[str, RequestError] = field(default_factory=dict)
+
+
+class ShardRunner:
+    def __init__(
+        self,
+        shard: ModelShard,
+        *,
+        cache_budget_bytes: int | None = None,
+        mtp_reads_prenorm: bool = False,
+    ):
+        self.shard = shard
+        self.spec = shard.spec
+        self.cache_budget_bytes = cache_budget_bytes
+        self.tail = Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm) if shard.spec.is_tail else None
+        self.requests: dict[str, RequestState] = {}
+        self._kv_bytes_per_position = self._kv_position_bytes()
+
+    # -- the per-step path ------------------------------------------------------------------
+
+    def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
+        errors: dict[str, RequestError] = {}
+        runnable: list[tuple[int, StepRequest, RequestState]] = []
+        start = 0
+        for step in steps:
+            try:
+                runnable.append((start, step, self._prepare(step)))
+            except RequestError as error:
+                errors[step.request_id] = error
+            start += len(step.tokens)
+        if not runnable:
+            return BatchOutput([], errors=errors)
+        ran = [step for _, step, _ in runnable]
+        if self.spec.is_head:
+            tokens = [t for step in ran for t in step.tokens]
+            x = self.shard.embed(mx.array(tokens)[None])
+        else:
+            if hidden is None:
+                raise RequestError("a non-head shard needs the hidden states of the step")
+            if hidden.shape[1] != start:
+                raise RequestError(f"hidden states hold {hidden.shape[1]} positions, steps {start}")
+            x = hidden if len(ran) == len(steps) else self._rows(hidden, runnable)
+        segments = []
+        for _, step, state in runnable:
+            state.cache.begin_step(step.rollback, len(step.tokens))
+            segments.append(Segment(state.cache, len(step.tokens), step.n_confirmed))
+        out = self.shard(x, segments)
+        if self.tail is None:
+            mx.eval(out)
+            return BatchOutput(ran, hidden=out, errors=errors)
+        results = self.tail.finish(ran, [state.tail for _, _, state in runnable], out)
+        return BatchOutput(ran, results=results, errors=errors)
+
+    def _prepare(self, step: StepRequest) -> RequestState:
+        state = self.requests.get(step.request_id)
+        if state is None:
+            if step.position != 0:
+                raise RequestError(f"unknown request id {step.request_id!r}")
+            state = self._open(step)
+        expected = state.cache.position - step.rollback
+        if step.rollback > state.cache.last_step_len or expected != step.position:
+            raise RequestError(
+                f"request {step.request_id!r}: step at position {step.position} with rollback "
+                f"{step.rollback}, but the caches hold {state.cache.position} positions"
+            )
+        self._check_budget(state, len(step.tokens))
+        state.last_used = time.monotonic()
+        return state
+
+    def _open(self, step: StepRequest) -> RequestState:
+        tail = self.tail.open(step.options) if self.tail else None
+        state = RequestState(RequestCache.for_layers(self.shard.linear_flags), tail)
+        self._check_budget(state, len(step.tokens))
+        self.requests[step.request_id] = state
+        return state
+
+    @staticmethod
+    def _rows(hidden: mx.array, runnable: list[tuple[int, StepRequest, RequestState]]) -> mx.array:
+        return mx.concatenate(
+            [hidden[:, s : s + len(step.tokens)] for s, step, _ in runnable], axis=1
+        )
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def _kv_position_bytes(self) -> int:
+        """Bytes one position adds to this shard's attention caches (and the MTP head's)."""
+        per = 0
+        attention = [layer.self_attn for layer in self.shard.layers if not layer.is_linear]
+        if self.shard.has_mtp:
+            attention += [layer.self_attn for layer in self.shard.mtp.layers]
+        for attn in attention:
+            per += 2 * attn.num_key_value_heads * attn.head_dim * 2  # keys + values, 16-bit
+        return per
+
+    def _growth_bytes(self, state: RequestState, n_tokens: int) -> int:
+        position = state.cache.position
+        blocks_now = -(-position // KV_ALLOCATION_STEP)
+        blocks_next = -(-(position + n_tokens) // KV_ALLOCATION_STEP)
+        return (blocks_next - blocks_now) * KV_ALLOCATION_STEP * self._kv_bytes_per_position
+
+    def _check_budget(self, state: RequestState, n_tokens: int) -> None:
+        if self.cache_budget_bytes is None:
+            return
+        needed = self._growth_bytes(state, n_tokens)
+        used = self.cache_bytes
+        if used + needed > self.cache_budget_bytes:
+            raise CacheBudgetError(
+                f"cache budget exhausted on {self.spec.describe()}: {used} bytes in use, "
+                f"{needed} more needed, budget {self.cache_budget_bytes}"
+            )
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(state.nbytes for state in self.requests.values())
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def rollback(self, request_id: str, drop: int) -> int:
+        """The standalone trim-and-restore signal; returns the position now held."""
+        state = self.requests.get(request_id)
+        if state is None:
+            raise RequestError(f"unknown request id {request_id!r}")
+        try:
+            state.cache.rollback(drop)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        return state.cache.position
+
+    def release(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def evict_idle(self, idle_seconds: float) -> list[str]:
+        now = time.monotonic()
+        stale = [rid for rid, s in self.requests.items() if now - s.last_used > idle_seconds]
+        for rid in stale:
+            del self.requests[rid]
+        return stale

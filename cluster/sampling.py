@@ -1,0 +1,62 @@
+"""From logits to a distribution and a token, as the request's sampling parameters say.
+
+The filters apply in a fixed order: temperature, then top-k, then top-p (nucleus), then
+min-p. The same transform applies to the target model and to the MTP draft, so that the
+verifier compares the two distributions a token was actually drawn from.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from cluster.messages import SamplingParams
+
+
+def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probabilities [..., vocab] after temperature and the filters (-inf = filtered).
+
+    Greedy requests get the plain softmax (their logprobs, if asked for)."""
+    logits = logits.astype(mx.float32)
+    if params.greedy:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = mx.sort(logits, axis=-1)[..., -params.top_k][..., None]
+        logits = mx.where(logits < kth, -mx.inf, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = mx.argsort(-logprobs, axis=-1)
+        sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
+        # Keep a token while the mass before it is below top_p (the first always stays).
+        before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = before < params.top_p
+        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+        logprobs = mx.where(keep, logprobs, -mx.inf)
+    if params.min_p > 0.0:
+        top = mx.max(logprobs, axis=-1, keepdims=True)
+        logprobs = mx.where(logprobs < top + mx.log(mx.array(params.min_p)), -mx.inf, logprobs)
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    return logprobs
+
+
+class RequestRandom:
+    """A request's own random stream: seeded requests replay exactly."""
+
+    def __init__(self, seed: int | None):
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        self._key = mx.random.key(seed)
+
+    def next_key(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+
+def sample(logprobs: mx.array, params: SamplingParams, rng: RequestRandom) -> mx.array:
+    """One token per row of `logprobs` (argmax when greedy)."""
+    if params.greedy:
+        return mx.argmax(logprobs, axis=-1)
+    return mx.random.categorical(logprobs, axis=-1, key=rng.next_key())

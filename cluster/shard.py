@@ -1,0 +1,78 @@
+"""A shard of a Qwen3.5 model: decoder layers [start, end) plus its role's extras.
+
+The head also holds the token embedding; the tail holds the final norm, the lm_head, the
+MTP head and (for an untied model) the embedding that the MTP head needs. A model run in
+one process is a single shard that is both head and tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cluster.config import ModelConfig
+from cluster.layers import PackedDecoderLayer, Segment
+from cluster.mtp import MTPHead
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    start: int
+    end: int
+    is_head: bool
+    is_tail: bool
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start < self.end):
+            raise ValueError(f"invalid layer range [{self.start}, {self.end})")
+
+    @classmethod
+    def whole(cls, num_layers: int) -> ShardSpec:
+        return cls(0, num_layers, is_head=True, is_tail=True)
+
+    def describe(self) -> str:
+        role = "+".join(r for r, on in (("head", self.is_head), ("tail", self.is_tail)) if on)
+        return f"layers [{self.start}, {self.end}){' ' + role if role else ''}"
+
+
+class ModelShard(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ShardSpec, *, with_mtp: bool):
+        super().__init__()
+        args = config.text
+        if spec.end > args.num_hidden_layers:
+            raise ValueError(
+                f"layer range [{spec.start}, {spec.end}) exceeds the model's "
+                f"{args.num_hidden_layers} layers"
+            )
+        self.spec = spec
+        self.tied = args.tie_word_embeddings
+        # The tail needs the embedding for the MTP head (and as lm_head when tied).
+        if spec.is_head or (spec.is_tail and (with_mtp or self.tied)):
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [PackedDecoderLayer(args, i) for i in range(spec.start, spec.end)]
+        if spec.is_tail:
+            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            if not self.tied:
+                self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            if with_mtp:
+                self.mtp = MTPHead(args, config.mtp_layers)
+        self.has_mtp = spec.is_tail and with_mtp
+
+    @property
+    def linear_flags(self) -> list[bool]:
+        return [layer.is_linear for layer in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_tokens(tokens)
+
+    def __call__(self, x: mx.array, segments: list[Segment]) -> mx.array:
+        for slot, layer in enumerate(self.layers):
+            x = layer(x, segments, slot)
+        return x
+
+    def logits(self, normed: mx.array) -> mx.array:
+        if self.tied:
+            return self.embed_tokens.as_linear(normed)
+        return self.lm_head(normed)

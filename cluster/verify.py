@@ -1,0 +1,73 @@
+"""Verification of MTP drafts against the target model, greedy or lossless-sampled.
+
+Work is split in two so that a batch of requests pays one device sync: `propose` builds, lazily,
+every token the step could emit (the target's choice at each position, whether each draft
+passes, the correction if it fails); the caller evaluates all requests' candidates together;
+`decide` then walks them in Python.
+
+Sampled verification is the standard speculative-sampling rule: accept draft d with
+probability min(1, p(d)/q(d)); on rejection draw from the residual max(p - q, 0) / Z. The
+emitted tokens are then distributed exactly as the target model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from cluster.messages import SamplingParams
+from cluster.sampling import RequestRandom, sample
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    target: mx.array  # [k+1]: the target's own token at each position
+    accept: mx.array | None  # [k]: whether each draft passes
+    correction: mx.array | None  # [k]: the token to emit if the draft at that position fails
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.target, self.accept, self.correction) if a is not None]
+
+
+def propose(
+    target_logprobs: mx.array,
+    drafts: tuple[int, ...],
+    draft_logprobs: mx.array | None,
+    params: SamplingParams,
+    rng: RequestRandom,
+) -> Candidates:
+    """target_logprobs: [k+1, vocab] at the last confirmed position and each draft;
+    draft_logprobs: [k, vocab], the distributions the drafts were drawn from."""
+    target = sample(target_logprobs, params, rng)
+    if not drafts:
+        return Candidates(target, None, None)
+    d = mx.array(drafts)
+    if params.greedy:
+        return Candidates(target, target[: len(drafts)] == d, target[: len(drafts)])
+    if draft_logprobs is None:
+        raise ValueError("sampled verification needs the draft distribution")
+    p = mx.exp(target_logprobs[: len(drafts)])
+    q = mx.exp(draft_logprobs)
+    p_d = mx.take_along_axis(p, d[:, None], axis=-1)[:, 0]
+    q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+    u = mx.random.uniform(shape=(len(drafts),), key=rng.next_key())
+    accept = u * q_d < p_d  # u < p/q without dividing by a zero q
+    residual = mx.maximum(p - q, 0.0)
+    # p == q leaves no residual mass; then the draft is always accepted and the value unused.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    correction = mx.random.categorical(mx.log(residual), axis=-1, key=rng.next_key())
+    return Candidates(target, accept, correction)
+
+
+def decide(candidates: Candidates, drafts: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The emitted tokens and how many drafts were accepted (candidates evaluated)."""
+    target = candidates.target.tolist()
+    if not drafts:
+        return (target[0],), 0
+    accept = candidates.accept.tolist()
+    correction = candidates.correction.tolist()
+    for i in range(len(drafts)):
+        if not accept[i]:
+            return (*drafts[:i], correction[i]), i
+    return (*drafts, target[len(drafts)]), len(drafts)
