@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cluster.messages import RequestError, RequestOptions, StepRequest, StepResult
@@ -88,7 +88,12 @@ class GenerationEngine:
         finally:
             await asyncio.shield(self.pipeline.release(rid))
 
-    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+    async def generate(
+        self,
+        request: GenerationRequest,
+        on_chunk: Callable[[GenerationChunk], None] | None = None,
+    ) -> GenerationOutput:
+        """Run a request to its end; `on_chunk` sees each chunk as it comes."""
         start = time.perf_counter()
         first = None
         tokens: list[int] = []
@@ -97,6 +102,8 @@ class GenerationEngine:
             if first is None:
                 first = time.perf_counter()
             tokens += chunk.tokens
+            if on_chunk is not None:
+                on_chunk(chunk)
         end = time.perf_counter()
         assert chunk is not None and chunk.finish_reason is not None and first is not None
         after_first = max(len(tokens) - 1, 0)
@@ -133,7 +140,9 @@ class GenerationEngine:
         return steps[-1], results[-1]
 
     @staticmethod
-    def _next_step(step: StepRequest, result: StepResult, request: GenerationRequest) -> StepRequest:
+    def _next_step(
+        step: StepRequest, result: StepResult, request: GenerationRequest
+    ) -> StepRequest:
         last = result.tokens[-1]
         draft = result.draft if request.options.mtp else None
         return StepRequest(

@@ -14,6 +14,7 @@ each confirmed prefix so that a rejected draft can be undone by a restore.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -46,6 +47,7 @@ def _split(x: mx.array, segments: list[Segment]) -> list[mx.array]:
 
 
 def _join(parts: list[mx.array]) -> mx.array:
+    """Per-request pieces [1, n, ...] back into one packed [1, L, ...] tensor."""
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
@@ -55,22 +57,35 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(1, length, self.num_v_heads, self.head_v_dim)
         a, b = self.in_proj_a(x), self.in_proj_b(x)
-        parts = zip(_split(qkv, segments), _split(a, segments), _split(b, segments), strict=True)
-        mixed = [self._mix(*p, seg, slot) for p, seg in zip(parts, segments, strict=True)]
+        mixed: list[mx.array | None] = [None] * len(segments)
+        # Requests whose steps have the same shape (every decode step, typically) run their
+        # recurrence as one batch: the states stack along the batch axis.
+        for shape, members in _group_by_shape(segments).items():
+            parts = [_stack(t, segments, members) for t in (qkv, a, b)]
+            out = self._mix(*parts, [segments[i] for i in members], *shape, slot)
+            for row, i in enumerate(members):
+                mixed[i] = out[row : row + 1] if len(members) > 1 else out
         out = self.norm(_join(mixed), z)
         return self.out_proj(out.reshape(1, length, -1))
 
-    def _mix(self, qkv: mx.array, a: mx.array, b: mx.array, seg: Segment, slot: int) -> mx.array:
-        cache = seg.cache.layers[slot]
+    def _mix(
+        self,
+        qkv: mx.array,
+        a: mx.array,
+        b: mx.array,
+        segs: list[Segment],
+        length: int,
+        n_confirmed: int,
+        slot: int,
+    ) -> mx.array:
+        batch = len(segs)
+        caches = [seg.cache.layers[slot] for seg in segs]
         n_keep = self.conv_kernel_size - 1
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((1, n_keep, self.conv_dim), dtype=qkv.dtype)
+        conv_state = _stack_states([c[0] for c in caches], (1, n_keep, self.conv_dim), qkv.dtype)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        cache[0] = mx.contiguous(conv_input[:, -n_keep:])
         conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = (
-            t.reshape(1, seg.length, h, d)
+            t.reshape(batch, length, h, d)
             for t, h, d in zip(
                 mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
                 [self.num_k_heads, self.num_k_heads, self.num_v_heads],
@@ -79,23 +94,57 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             )
         )
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        state_shape = (1, self.num_v_heads, self.head_v_dim, self.head_k_dim)
+        state = _stack_states([c[1] for c in caches], state_shape, mx.float32)
 
         # The recurrence runs in pieces split at every draft position, recording the state
         # after each confirmed prefix; a rejected draft restores one of those.
-        state = cache[1]
         outs, begin = [], 0
-        for keep in [*range(seg.n_confirmed, seg.length), seg.length]:
+        for keep in [*range(n_confirmed, length), length]:
             piece = slice(begin, keep)
             out, state = gated_delta_update(
                 q[:, piece], k[:, piece], v[:, piece], a[:, piece], b[:, piece],
                 self.A_log, self.dt_bias, state, None, use_kernel=not self.training,
             )  # fmt: skip
             outs.append(out)
-            if keep < seg.length:
-                seg.cache.record_snapshot(slot, keep, conv_input[:, keep : keep + n_keep], state)
+            if keep < length:
+                conv = conv_input[:, keep : keep + n_keep]
+                for row, seg in enumerate(segs):
+                    seg.cache.record_snapshot(slot, keep, _row(conv, row), _row(state, row))
             begin = keep
-        cache[1] = state
-        return _join(outs)
+        conv = conv_input[:, -n_keep:]
+        for row, cache in enumerate(caches):
+            cache[0] = mx.contiguous(_row(conv, row))
+            cache[1] = _row(state, row)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+
+def _group_by_shape(segments: list[Segment]) -> dict[tuple[int, int], list[int]]:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, seg in enumerate(segments):
+        groups.setdefault((seg.length, seg.n_confirmed), []).append(i)
+    return groups
+
+
+def _stack(x: mx.array, segments: list[Segment], members: list[int]) -> mx.array:
+    """The members' slices of packed `x` [1, L, d], stacked along the batch axis."""
+    length = segments[members[0]].length
+    if len(members) == len(segments):  # all of the batch, in order: a free reshape
+        return x.reshape(len(members), length, *x.shape[2:])
+    starts = list(itertools.accumulate((s.length for s in segments), initial=0))
+    return mx.concatenate([x[:, starts[i] : starts[i] + length] for i in members], axis=0)
+
+
+def _stack_states(
+    states: list[mx.array | None], shape: tuple[int, ...], dtype: mx.Dtype
+) -> mx.array:
+    """Per-request states stacked along the batch axis (zeros for a request's first step)."""
+    filled = [s if s is not None else mx.zeros(shape, dtype=dtype) for s in states]
+    return filled[0] if len(filled) == 1 else mx.concatenate(filled, axis=0)
+
+
+def _row(x: mx.array, row: int) -> mx.array:
+    return x if x.shape[0] == 1 else x[row : row + 1]
 
 
 class PackedAttention(Attention):

@@ -105,7 +105,9 @@ class LocalPipeline:
                 else:
                     future.set_result(results[step.request_id])
 
-    def _run(self, steps: list[StepRequest]) -> tuple[dict[str, StepResult], dict[str, RequestError]]:
+    def _run(
+        self, steps: list[StepRequest]
+    ) -> tuple[dict[str, StepResult], dict[str, RequestError]]:
         errors: dict[str, RequestError] = {}
         hidden = None
         for runner in self.runners:

@@ -47,6 +47,7 @@ class ModelShard(nn.Module):
                 f"{args.num_hidden_layers} layers"
             )
         self.spec = spec
+        self.hidden_size = args.hidden_size
         self.tied = args.tie_word_embeddings
         # The tail needs the embedding for the MTP head (and as lm_head when tied).
         if spec.is_head or (spec.is_tail and (with_mtp or self.tied)):

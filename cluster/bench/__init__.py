@@ -1,0 +1,1 @@
+"""Benchmarks that decide design choices by measurement (`python -m cluster.bench.<name>`)."""

@@ -1,0 +1,412 @@
+"""The cost of one pipeline hop on loopback, by framing: which one the step stream should use.
+
+    python -m cluster.bench.hop --json out.json [--rounds 6 --iters 500] [--ablate]
+
+An echo server runs in a child process (a node is its own process); the client sends a
+decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
+is half the round trip, and each way does a hop's real work:
+
+  proto    grpc.aio bidi stream of `StepBatch`: encode, send, decode (entries + mx.array) on
+           the server, re-encode, reply, decode on the client (`cluster.wire`)
+  msgpack  the same stream and work, the step framed with msgpack inside a bytes field
+  grpc     grpc.aio bidi stream echoing raw bytes (the serialized step), no codec
+  tcp      asyncio TCP echo of the same bytes, length-prefixed, no codec
+  codec    `cluster.wire` encode + decode of the step alone, no network (per hop)
+
+Every variant runs on its own long-lived stream and all are timed in interleaved rounds, so
+background load hits them alike. `--ablate` also times the proto stream under gRPC defaults
+and with each tuned option left out or one added (a server process per setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import grpc
+import mlx.core as mx
+import msgpack
+import numpy as np
+from google.protobuf import wrappers_pb2
+
+from cluster import wire
+from cluster.messages import StepRequest
+from proto import cluster_pb2 as pb
+
+SHAPES = ((1, 2, 5120), (1, 1, 256))  # Qwen3.5-27B's hidden size; a tiny model's
+METHOD = "/bench.Hop/{}"
+_LEN = struct.Struct("<I")
+Options = list[tuple[str, int | str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    options: str
+    variant: str
+    shape: str
+    payload_bytes: int
+    median_us: float
+    p90_us: float
+    iters: int
+
+
+# ---- the step and its two codecs ----
+
+
+def decode_step(shape: tuple[int, ...]) -> tuple[list[StepRequest], mx.array]:
+    entries = [StepRequest("chatcmpl-0123456789abcdef", (151_643, 9_707), 1234, draft_len=1)]
+    hidden = mx.random.normal(shape, key=mx.random.key(0)).astype(mx.bfloat16)
+    mx.eval(hidden)
+    return entries, hidden
+
+
+def msgpack_encode(entries: list[StepRequest], hidden: mx.array, sequence: int) -> bytes:
+    steps = [
+        [e.request_id, e.tokens, e.position, e.draft_len, e.rollback, e.sample] for e in entries
+    ]
+    tensor = [hidden.shape, bytes(memoryview(hidden))]  # bf16 only, as here
+    return msgpack.packb([sequence, steps, tensor])
+
+
+def msgpack_decode(data: bytes) -> tuple[list[StepRequest], mx.array, int]:
+    sequence, steps, (shape, raw) = msgpack.unpackb(data)
+    entries = [StepRequest(r, tuple(t), p, d, b, s) for r, t, p, d, b, s in steps]
+    hidden = mx.array(np.frombuffer(raw, np.uint16).reshape(shape)).view(mx.bfloat16)
+    return entries, hidden, sequence
+
+
+@functools.cache
+def _forward_output(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Stands in for the layers: an evaluated array like the one received.
+
+    A node encodes the output of its step's own `mx.eval`. Re-encoding the decoded (lazy) bf16
+    view instead would time one extra MLX eval (~50 us on the CPU build), which is not the wire's.
+    """
+    out = mx.zeros(shape, dtype)
+    mx.eval(out)
+    return out
+
+
+def _proto_echo(msg: pb.StepBatch) -> pb.StepBatch:
+    entries, hidden, sequence = wire.step_batch_from_proto(msg)
+    return wire.step_batch_to_proto(entries, _forward_output(hidden.shape, hidden.dtype), sequence)
+
+
+def _msgpack_echo(msg: wrappers_pb2.BytesValue) -> wrappers_pb2.BytesValue:
+    entries, hidden, sequence = msgpack_decode(msg.value)
+    out = _forward_output(hidden.shape, hidden.dtype)
+    return wrappers_pb2.BytesValue(value=msgpack_encode(entries, out, sequence))
+
+
+# (echo, request deserializer, response serializer); None: raw bytes
+_HANDLERS = {
+    "proto": (_proto_echo, pb.StepBatch.FromString, pb.StepBatch.SerializeToString),
+    "msgpack": (
+        _msgpack_echo,
+        wrappers_pb2.BytesValue.FromString,
+        wrappers_pb2.BytesValue.SerializeToString,
+    ),
+    "grpc": (lambda b: b, None, None),
+}
+
+
+# ---- the echo server (child process) ----
+
+
+def _stream_handler(echo: Callable) -> Callable:
+    async def handle(requests, context: grpc.aio.ServicerContext):
+        while (msg := await context.read()) is not grpc.aio.EOF:
+            await context.write(echo(msg))
+
+    return handle
+
+
+async def _tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            header = await reader.readexactly(_LEN.size)
+            writer.write(header + await reader.readexactly(_LEN.unpack(header)[0]))
+    except asyncio.IncompleteReadError:
+        writer.close()
+
+
+async def _serve(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
+    handlers = {
+        name: grpc.stream_stream_rpc_method_handler(_stream_handler(echo), des, ser)
+        for name, (echo, des, ser) in _HANDLERS.items()
+    }
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Hop", handlers)])
+    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    tcp = await asyncio.start_server(_tcp_echo, "127.0.0.1", 0)
+    await server.start()
+    ports.put((grpc_port, tcp.sockets[0].getsockname()[1]))
+    try:
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+    finally:
+        tcp.close()
+        await server.stop(None)
+
+
+def _server_main(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
+    asyncio.run(_serve(options, ports, stop))
+
+
+class EchoServer:
+    """The echo server in a child process, started and stopped as a context manager."""
+
+    def __init__(self, options: Options) -> None:
+        ctx = mp.get_context("spawn")
+        self._ports, self._stop = ctx.Queue(), ctx.Event()
+        self._proc = ctx.Process(target=_server_main, args=(options, self._ports, self._stop))
+
+    def __enter__(self) -> tuple[int, int]:
+        self._proc.start()
+        return self._ports.get(timeout=60)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+# ---- the client ----
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """gRPC options of one measured configuration (each gets its own server process)."""
+
+    label: str
+    server: Options
+    channel: Options
+
+
+class _Stream:
+    """One long-lived bidi stream; `round_trip(i)` sends step `i` and takes in its echo."""
+
+    def __init__(self, channel: grpc.aio.Channel, variant: str, step) -> None:
+        entries, hidden = step
+        payload = wire.step_batch_to_proto(entries, hidden, 0).SerializeToString()
+        codecs = {
+            "proto": (
+                lambda i: wire.step_batch_to_proto(entries, hidden, i),
+                wire.step_batch_from_proto,
+            ),
+            "msgpack": (
+                lambda i: wrappers_pb2.BytesValue(value=msgpack_encode(entries, hidden, i)),
+                lambda m: msgpack_decode(m.value),
+            ),
+            "grpc": (lambda i: payload, lambda m: m),
+        }
+        self._encode, self._decode = codecs[variant]
+        _, des, ser = _HANDLERS[variant]  # the client serializes what the server deserializes
+        self._call = channel.stream_stream(METHOD.format(variant), ser, des)()
+
+    async def round_trip(self, i: int) -> None:
+        await self._call.write(self._encode(i))
+        self._decode(await self._call.read())
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        await self._call.code()
+
+
+class _Tcp:
+    """asyncio TCP, length-prefixed frames, TCP_NODELAY."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._frame = _LEN.pack(len(payload)) + payload
+
+    async def open(self, port: int) -> _Tcp:
+        self._reader, self._writer = await asyncio.open_connection("127.0.0.1", port)
+        self._writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    async def round_trip(self, i: int) -> None:
+        self._writer.write(self._frame)
+        await self._reader.readexactly(len(self._frame))
+
+    async def close(self) -> None:
+        self._writer.close()
+
+
+class _Codec:
+    """The codec alone: each 'round trip' is two hops of encode + serialize + parse + decode."""
+
+    def __init__(self, step) -> None:
+        self._entries, self._hidden = step
+
+    async def round_trip(self, i: int) -> None:
+        for _ in range(2):
+            data = wire.step_batch_to_proto(self._entries, self._hidden, i).SerializeToString()
+            wire.step_batch_from_proto(pb.StepBatch.FromString(data))
+
+    async def close(self) -> None:
+        pass
+
+
+async def _time(probe, iters: int) -> list[int]:
+    samples = []
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        await probe.round_trip(i)
+        samples.append(time.perf_counter_ns() - t0)
+    return samples
+
+
+async def measure(
+    setups: list[Setup], variants: list[str], shapes, rounds: int, iters: int, warmup: int
+) -> list[Row]:
+    """Every (setup, variant, shape) on its own stream, timed in interleaved rounds.
+
+    Interleaving spreads the machine's background load evenly over what is compared.
+    """
+    steps = {shape: decode_step(shape) for shape in shapes}
+    with contextlib.ExitStack() as servers:
+        ports = [servers.enter_context(EchoServer(s.server)) for s in setups]
+        async with contextlib.AsyncExitStack() as stack:
+            probes = {}
+            for setup, (grpc_port, tcp_port) in zip(setups, ports, strict=True):
+                ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=setup.channel)
+                await stack.enter_async_context(ch)
+                await asyncio.wait_for(ch.channel_ready(), 30)
+                for v, shape in itertools.product(variants, shapes):
+                    step = steps[shape]
+                    if v == "tcp":
+                        payload = wire.step_batch_to_proto(*step, 0).SerializeToString()
+                        probe = await _Tcp(payload).open(tcp_port)
+                    elif v == "codec":
+                        probe = _Codec(step)
+                    else:
+                        probe = _Stream(ch, v, step)
+                    stack.push_async_callback(probe.close)
+                    probes[setup.label, v, shape] = probe
+            samples = {key: [] for key in probes}
+            for probe in probes.values():
+                await _time(probe, warmup)
+            for _ in range(rounds):
+                for key, probe in probes.items():
+                    samples[key] += await _time(probe, iters)
+    sizes = {s: len(wire.step_batch_to_proto(*steps[s], 0).SerializeToString()) for s in shapes}
+    return [
+        _row(label, v, shape, sizes[shape], samples[label, v, shape]) for label, v, shape in probes
+    ]
+
+
+def _row(label: str, variant: str, shape, payload: int, samples: list[int]) -> Row:
+    one_way = np.asarray(samples) / 2e3  # ns round trip -> us one way
+    median, p90 = np.percentile(one_way, [50, 90])
+    shape_name = "x".join(map(str, shape))
+    return Row(label, variant, shape_name, payload, float(median), float(p90), len(samples))
+
+
+# ---- option ablation ----
+
+
+def _without(options: Options, key: str) -> Options:
+    return [(k, v) for k, v in options if k != key]
+
+
+def ablation_setups() -> list[Setup]:
+    """gRPC defaults, the tuned options, and the tuned ones with one left out or one added."""
+    server, channel = wire.grpc_server_options(), wire.grpc_channel_options()
+    setups = [Setup("grpc defaults", [], []), Setup("tuned", server, channel)]
+    for key in sorted({k for k, _ in server + channel}):
+        setups.append(Setup(f"tuned - {key}", _without(server, key), _without(channel, key)))
+    extras = [
+        ("grpc.optimization_target", "latency"),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.experimental.tcp_read_chunk_size", 256 * 1024),
+        ("grpc.http2.write_buffer_size", 256 * 1024),
+        ("grpc.enable_retries", 1),
+    ]
+    for key, value in extras:
+        extra = [(key, value)]
+        setups.append(
+            Setup(
+                f"tuned + {key}={value}",
+                _without(server, key) + extra,
+                _without(channel, key) + extra,
+            )
+        )
+    return setups
+
+
+def _table(rows: list[Row]) -> str:
+    head = (
+        f"{'options':<44} {'variant':<8} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r.options:<44} {r.variant:<8} {r.shape:<9} {r.payload_bytes:>6} "
+            f"{r.median_us:>9.1f} {r.p90_us:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.bench.hop",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
+    parser.add_argument("--iters", type=int, default=500, help="round trips per round")
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--ablate", action="store_true", help="also time each gRPC option")
+    args = parser.parse_args(argv)
+    mx.set_default_device(mx.cpu)
+    timing = (args.rounds, args.iters, args.warmup)
+
+    tuned = Setup("tuned", wire.grpc_server_options(), wire.grpc_channel_options())
+    variants = ["proto", "msgpack", "grpc", "tcp", "codec"]
+    rows = asyncio.run(measure([tuned], variants, SHAPES, *timing))
+    print("one way (round trip / 2) on loopback, microseconds")
+    print(_table(rows))
+
+    ablation = []
+    if args.ablate:
+        ablation = asyncio.run(measure(ablation_setups(), ["proto"], SHAPES[:1], *timing))
+        print("\nthe proto stream by gRPC options")
+        print(_table(ablation))
+
+    if args.json:
+        report = {
+            "machine": {
+                "platform": platform.platform(),
+                "python": sys.version.split()[0],
+                "grpc": grpc.__version__,
+                "cpus": os.cpu_count(),
+                "load_average": os.getloadavg(),
+            },
+            "timing": dict(zip(("rounds", "iters", "warmup"), timing, strict=True)),
+            "server_options": tuned.server,
+            "channel_options": tuned.channel,
+            "rows": [asdict(r) for r in rows],
+            "ablation": [asdict(r) for r in ablation],
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The `cluster` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from cluster.config import bundled_model_path
+from cluster.messages import RequestError, RequestOptions, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """Serve Qwen3.5 models across several Macs, pipeline-parallel, with MTP decoding."""
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory (default: the bundled tiny Qwen3.5).",
+)
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temp", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--no-mtp", is_flag=True, help="Decode without the MTP head.")
+@click.option("--layers", default=None, help="Layer ranges per shard, e.g. 0:3,3:8.")
+@click.option("--nodes", default=None, help="Run on node daemons: HOST:PORT,HOST:PORT,...")
+@click.option("--token", envvar="CLUSTER_TOKEN", default=None, help="Cluster secret (--nodes).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(
+    model_dir: Path | None,
+    prompt: str,
+    chat: bool,
+    max_tokens: int,
+    temp: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    seed: int | None,
+    no_mtp: bool,
+    layers: str | None,
+    nodes: str | None,
+    token: str | None,
+    as_json: bool,
+) -> None:
+    """Generate text for one prompt, in this process or across node daemons."""
+    from cluster.generate import run_generate
+
+    model_dir = model_dir or bundled_model_path()
+    try:
+        options = RequestOptions(
+            sampling=SamplingParams(temp, top_p, top_k, min_p, seed), mtp=not no_mtp
+        )
+        result = asyncio.run(
+            run_generate(
+                model_dir,
+                prompt,
+                chat=chat,
+                max_tokens=max_tokens,
+                options=options,
+                layers=layers,
+                nodes=nodes,
+                token=token,
+                stream_to=None if as_json else sys.stdout,
+            )
+        )
+    except (RequestError, ValueError, OSError, ConnectionError) as error:
+        raise click.ClickException(str(error)) from error
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo()
+        click.echo(
+            f"[{result['prompt_tokens']} prompt tokens, {len(result['tokens'])} generated, "
+            f"{result['generation_tps']:.1f} tokens/s, MTP accepted "
+            f"{result['accepted']}/{result['drafted']}]",
+            err=True,
+        )
+
+
+def _register_commands() -> None:
+    """Commands that live beside their concern: the node daemon, the planner, conversion."""
+    from coordinator.plan_cli import plan
+    from node.server import node_command
+
+    main.add_command(node_command, "node")
+    main.add_command(plan, "plan")
+    try:
+        from cluster.convert import convert_command
+    except ImportError:
+        return
+    main.add_command(convert_command, "convert")
+
+
+_register_commands()

@@ -1,0 +1,81 @@
+"""Build a generation engine whose shards all run in this process."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from cluster.config import ModelConfig, load_model_config
+from cluster.engine import GenerationEngine
+from cluster.loading import load_shard
+from cluster.pipeline import LocalPipeline
+from cluster.runner import ShardRunner
+from cluster.shard import ShardSpec
+from cluster.worker import MLXWorker
+
+
+def shard_specs(ranges: list[tuple[int, int]]) -> list[ShardSpec]:
+    """Specs for contiguous ranges covering a model: the first is the head, the last the tail."""
+    for (_, end), (start, _) in itertools.pairwise(ranges):
+        if end != start:
+            raise ValueError(f"layer ranges must be contiguous: {ranges}")
+    last = len(ranges) - 1
+    return [ShardSpec(s, e, i == 0, i == last) for i, (s, e) in enumerate(ranges)]
+
+
+def even_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges of near-equal size (the earlier ones take the remainder)."""
+    if not 1 <= parts <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} parts")
+    base, extra = divmod(num_layers, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    """'0:3,3:8' -> [(0, 3), (3, 8)]"""
+    try:
+        return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise ValueError(f"--layers wants START:END,START:END,... got {text!r}") from None
+
+
+@dataclass
+class LocalEngine:
+    engine: GenerationEngine
+    config: ModelConfig
+    worker: MLXWorker
+    runners: list[ShardRunner]
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+async def open_local_engine(
+    model_dir: str | Path,
+    *,
+    ranges: list[tuple[int, int]] | None = None,
+    mtp: bool = True,
+    dtype: mx.Dtype | None = None,
+    prefill_chunk: int = 512,
+) -> LocalEngine:
+    config = load_model_config(model_dir)
+    specs = shard_specs(ranges or [(0, config.num_layers)])
+    if specs[-1].end != config.num_layers or specs[0].start != 0:
+        raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
+    worker = MLXWorker()
+    runners = []
+    for spec in specs:
+        shard = await worker.run(load_shard, model_dir, spec, dtype=dtype, mtp=mtp)
+        runners.append(ShardRunner(shard))
+    pipeline = LocalPipeline(runners, worker, max_context=config.max_context)
+    return LocalEngine(
+        GenerationEngine(pipeline, prefill_chunk=prefill_chunk), config, worker, runners
+    )

@@ -1,0 +1,284 @@
+"""The codec between protobuf (`proto/cluster.proto`) and the internal messages.
+
+Protobuf never leaks past this module: the node and the coordinator hand it the dataclasses of
+`cluster.messages` and `mx.array`s and get them back. Tensors travel as raw little-endian bytes
+plus dtype and shape; bfloat16 goes through a uint16 view, never through float32.
+
+Zero is never read as "unset": the fields where zero means something are proto3 `optional`,
+and the decoders test `HasField`, so an absent field takes the dataclass default and a present
+zero stays zero (temperature 0 is greedy). Invalid values surface as `RequestError` (raised by
+the dataclasses) or `WireError` (a malformed tensor, an unencodable value).
+
+This is on the per-token path: plain loops, no intermediate objects, one copy per tensor each way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import mlx.core as mx
+import numpy as np
+
+from cluster.messages import RequestOptions, SamplingParams, StepRequest, StepResult
+from proto import cluster_pb2 as pb
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "WireError",
+    "grpc_channel_options",
+    "grpc_server_options",
+    "options_from_proto",
+    "options_to_proto",
+    "results_from_proto",
+    "results_to_proto",
+    "sampling_from_proto",
+    "sampling_to_proto",
+    "step_batch_from_proto",
+    "step_batch_to_proto",
+    "tensor_from_proto",
+    "tensor_to_proto",
+]
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill chunk's hidden states fit with room
+
+
+class WireError(ValueError):
+    """A message that cannot be converted (malformed tensor, value out of the wire's range)."""
+
+
+# Errors travel as (request_id, status code, message).
+ErrorEntry = tuple[str, grpc.StatusCode, str]
+
+# wire name -> (mx dtype, numpy dtype that holds the bytes; numpy has no bfloat16)
+_DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
+    "bfloat16": (mx.bfloat16, np.dtype(np.uint16)),
+    "float16": (mx.float16, np.dtype(np.float16)),
+    "float32": (mx.float32, np.dtype(np.float32)),
+}
+_DTYPE_NAMES = {spec[0]: name for name, spec in _DTYPES.items()}
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_SAMPLING = SamplingParams()
+_OPTIONS = RequestOptions()
+_SAMPLE_DEFAULT = True  # StepRequest.sample
+
+
+# ---- gRPC settings shared by the node daemon, the coordinator and the benchmark ----
+
+
+def _common_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # Liveness: a silent peer breaks the stream within ~15 s even with no call in flight.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def grpc_channel_options() -> list[tuple[str, int]]:
+    """Channel arguments for every node channel (`grpc.aio.insecure_channel(..., options=)`)."""
+    return [
+        *_common_options(),
+        # Retries make the channel buffer each message of a stream for a possible replay; a
+        # step stream is never replayed (the caller fails the requests instead).
+        ("grpc.enable_retries", 0),
+        ("grpc.default_compression_algorithm", 0),  # GRPC_COMPRESS_NONE
+    ]
+
+
+def grpc_server_options() -> list[tuple[str, int]]:
+    """Server arguments for every node server (`grpc.aio.server(options=)`)."""
+    return [
+        *_common_options(),
+        # Fail loudly if the port is taken instead of silently sharing it with a stale node.
+        ("grpc.so_reuseport", 0),
+        # Accept the clients' keepalive pings (the default would answer them with GOAWAY).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+# ---- tensors ----
+
+
+def _fill_tensor(t: pb.Tensor, a: mx.array) -> None:
+    name = _DTYPE_NAMES.get(a.dtype)
+    if name is None:
+        raise WireError(f"tensor dtype {a.dtype} is not one of {sorted(_DTYPES)}")
+    # The buffer protocol exports bfloat16 too; bytes() copies in C order even from a strided
+    # array. An unevaluated `a` is evaluated here: encode the output of the step's own eval.
+    t.data = bytes(memoryview(a))
+    t.dtype = name
+    t.shape.extend(a.shape)
+
+
+def tensor_to_proto(a: mx.array) -> pb.Tensor:
+    """An array as raw bytes + dtype + shape (bfloat16, float16 or float32)."""
+    t = pb.Tensor()
+    _fill_tensor(t, a)
+    return t
+
+
+def tensor_from_proto(t: pb.Tensor) -> mx.array:
+    """The array of a `Tensor`, bit-exact; `WireError` if dtype, shape and bytes disagree."""
+    spec = _DTYPES.get(t.dtype)
+    if spec is None:
+        raise WireError(f"tensor dtype {t.dtype!r} is not one of {sorted(_DTYPES)}")
+    dtype, np_dtype = spec
+    shape = tuple(t.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor shape {list(shape)} has a negative dimension")
+    data = t.data
+    expected = math.prod(shape) * np_dtype.itemsize
+    if len(data) != expected:
+        raise WireError(
+            f"tensor of shape {list(shape)} and dtype {t.dtype} needs {expected} bytes, "
+            f"got {len(data)}"
+        )
+    a = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))
+    # bfloat16: a lazy view of the uint16 copy, which the consumer's forward eval absorbs.
+    return a.view(dtype) if dtype == mx.bfloat16 else a
+
+
+# ---- request options ----
+
+
+def sampling_to_proto(s: SamplingParams, m: pb.SamplingParams | None = None) -> pb.SamplingParams:
+    """Every field is written, zeros included; `seed` only when set."""
+    m = pb.SamplingParams() if m is None else m
+    m.temperature = s.temperature
+    m.top_p = s.top_p
+    m.top_k = s.top_k
+    m.min_p = s.min_p
+    if s.seed is not None:
+        m.seed = s.seed
+    return m
+
+
+def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
+    """Absent fields take the dataclass defaults; present zeros stay zero."""
+    d = _SAMPLING
+    return SamplingParams(
+        temperature=m.temperature if m.HasField("temperature") else d.temperature,
+        top_p=m.top_p if m.HasField("top_p") else d.top_p,
+        top_k=m.top_k if m.HasField("top_k") else d.top_k,
+        min_p=m.min_p if m.HasField("min_p") else d.min_p,
+        seed=m.seed if m.HasField("seed") else d.seed,
+    )
+
+
+def options_to_proto(o: RequestOptions, m: pb.RequestOptions | None = None) -> pb.RequestOptions:
+    m = pb.RequestOptions() if m is None else m
+    sampling_to_proto(o.sampling, m.sampling)
+    m.mtp = o.mtp
+    m.logprobs = o.logprobs
+    return m
+
+
+def options_from_proto(m: pb.RequestOptions) -> RequestOptions:
+    return RequestOptions(
+        sampling=sampling_from_proto(m.sampling) if m.HasField("sampling") else _OPTIONS.sampling,
+        mtp=m.mtp if m.HasField("mtp") else _OPTIONS.mtp,
+        logprobs=m.logprobs,
+    )
+
+
+# ---- the step stream ----
+
+
+def step_batch_to_proto(
+    entries: list[StepRequest], hidden: mx.array | None, sequence: int
+) -> pb.StepBatch:
+    """One pipeline step: the requests' entries, their hidden states (None to the head)."""
+    try:
+        msg = pb.StepBatch(sequence=sequence)
+        add = msg.entries.add
+        for e in entries:
+            m = add(
+                request_id=e.request_id,
+                tokens=e.tokens,
+                position=e.position,
+                draft_len=e.draft_len,
+                rollback=e.rollback,
+                sample=e.sample,
+            )
+            if e.options is not None:
+                options_to_proto(e.options, m.options)
+        if hidden is not None:
+            _fill_tensor(msg.hidden, hidden)
+    except WireError:
+        raise
+    except (TypeError, ValueError) as exc:  # protobuf's range and type checks
+        raise WireError(f"step batch {sequence} cannot be encoded: {exc}") from exc
+    return msg
+
+
+def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.array | None, int]:
+    """(entries, hidden or None, sequence); `RequestError` for an invalid entry."""
+    entries = [
+        StepRequest(
+            request_id=m.request_id,
+            tokens=tuple(m.tokens),
+            position=m.position,
+            draft_len=m.draft_len,
+            rollback=m.rollback,
+            sample=m.sample if m.HasField("sample") else _SAMPLE_DEFAULT,
+            options=options_from_proto(m.options) if m.HasField("options") else None,
+        )
+        for m in msg.entries
+    ]
+    hidden = tensor_from_proto(msg.hidden) if msg.HasField("hidden") else None
+    return entries, hidden, msg.sequence
+
+
+# ---- the results stream ----
+
+
+def results_to_proto(results: list[StepResult], errors: list[ErrorEntry]) -> pb.ResultBatch:
+    """The tail's results and any node's per-request errors, in one message."""
+    try:
+        msg = pb.ResultBatch()
+        add = msg.results.add
+        for r in results:
+            m = add(
+                request_id=r.request_id,
+                tokens=r.tokens,
+                keep=r.keep,
+                drafted=r.drafted,
+                accepted=r.accepted,
+            )
+            if r.draft is not None:
+                m.draft = r.draft
+            if r.logprobs is not None:
+                m.logprobs.extend(r.logprobs)
+                m.has_logprobs = True
+        add_error = msg.errors.add
+        for request_id, code, message in errors:
+            add_error(request_id=request_id, code=code.value[0], message=message)
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"result batch cannot be encoded: {exc}") from exc
+    return msg
+
+
+def results_from_proto(msg: pb.ResultBatch) -> tuple[list[StepResult], list[ErrorEntry]]:
+    """(results, errors); an unknown status number reads as `StatusCode.UNKNOWN`."""
+    results = [
+        StepResult(
+            request_id=m.request_id,
+            tokens=tuple(m.tokens),
+            keep=m.keep,
+            draft=m.draft if m.HasField("draft") else None,
+            drafted=m.drafted,
+            accepted=m.accepted,
+            logprobs=tuple(m.logprobs) if m.has_logprobs else None,
+        )
+        for m in msg.results
+    ]
+    errors = [
+        (e.request_id, _STATUS_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.message)
+        for e in msg.errors
+    ]
+    return results, errors

@@ -1,0 +1,202 @@
+"""The live view of the cluster, the coordinator's request counters, and their Prometheus form.
+
+The dashboard (`/api/cluster`), `/health` and `/metrics` all read the same `ClusterView`, so
+what an operator sees on the page and what Prometheus scrapes can never disagree. The view is
+implemented by whoever tracks the nodes (heartbeats, step timings); this module only defines
+its shape and renders it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """One pipeline stage as last heard from. Layer range is half-open: [start, end)."""
+
+    node_id: str
+    address: str
+    start: int
+    end: int
+    is_head: bool
+    is_tail: bool
+    up: bool
+    last_heartbeat_s: float  # seconds since the last heartbeat
+    memory_used_bytes: int
+    memory_total_bytes: int
+    step_latency_ms: float
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStats:
+    """Cluster-wide serving figures, over whatever window the view chooses."""
+
+    tokens_per_s: float
+    acceptance_rate: float  # accepted MTP drafts / drafted, 0 when nothing was drafted
+    requests_in_flight: int
+    requests_total: int
+    errors_total: int
+    model_id: str
+
+
+class ClusterView(Protocol):
+    """What the HTTP layer may ask of the cluster: read-only and cheap (called per poll)."""
+
+    def node_statuses(self) -> list[NodeStatus]:
+        """The nodes in pipeline order, head first."""
+        ...
+
+    def stats(self) -> ClusterStats: ...
+
+
+@dataclass(slots=True)
+class RequestCounters:
+    """Counters the HTTP layer bumps and a `ClusterView` reads back into `ClusterStats`.
+
+    Plain ints, not locks: every increment happens on the coordinator's event loop.
+    `errors_total` counts requests that failed on our side (5xx, including failures after a
+    stream had started); requests refused as invalid or over capacity are `rejected_total`,
+    because a client's bad request says nothing about the cluster's health.
+    """
+
+    requests_total: int = 0
+    in_flight: int = 0
+    errors_total: int = 0
+    rejected_total: int = 0
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0
+
+
+def cluster_json(view: ClusterView) -> dict[str, object]:
+    """The `/api/cluster` document: what the dashboard draws, in pipeline order."""
+    nodes = view.node_statuses()
+    return {
+        "nodes": [asdict(node) for node in nodes],
+        "stats": asdict(view.stats()),
+        "healthy": bool(nodes) and all(node.up for node in nodes),
+    }
+
+
+def render_prometheus(
+    view: ClusterView,
+    counters: RequestCounters,
+    *,
+    requests_queued: int,
+    requests_running: int,
+) -> str:
+    """The Prometheus text exposition (format 0.0.4) of the view and the counters.
+
+    Latencies are exported in seconds, as Prometheus base units want, even though the
+    view keeps milliseconds.
+    """
+    nodes = view.node_statuses()
+    stats = view.stats()
+    out = _Exposition()
+    out.family("cluster_info", "gauge", "The served model.", [({"model": stats.model_id}, 1)])
+    up = [(_node_labels(node), float(node.up)) for node in nodes]
+    out.family("cluster_node_up", "gauge", "1 when the node answers heartbeats, else 0.", up)
+    for name, help_text, value_of in _NODE_GAUGES:
+        samples = [({"node": node.node_id}, value_of(node)) for node in nodes]
+        out.family(name, "gauge", help_text, samples)
+    cluster_values = {
+        "cluster_tokens_per_second": stats.tokens_per_s,
+        "cluster_mtp_acceptance_rate": stats.acceptance_rate,
+        "cluster_requests_in_flight": stats.requests_in_flight,
+        "cluster_requests_running": requests_running,
+        "cluster_requests_queued": requests_queued,
+        "cluster_requests": stats.requests_total,
+        "cluster_errors": stats.errors_total,
+        "cluster_requests_rejected": counters.rejected_total,
+        "cluster_prompt_tokens": counters.prompt_tokens_total,
+        "cluster_completion_tokens": counters.completion_tokens_total,
+    }
+    for name, (kind, help_text) in _CLUSTER_METRICS.items():
+        out.family(name, kind, help_text, [({}, cluster_values[name])])
+    return out.text()
+
+
+_NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeStatus], float]], ...] = (
+    (
+        "cluster_node_step_latency_seconds",
+        "The node's latest pipeline step latency.",
+        lambda node: node.step_latency_ms / 1000.0,
+    ),
+    (
+        "cluster_node_heartbeat_age_seconds",
+        "Seconds since the node's last heartbeat.",
+        lambda node: node.last_heartbeat_s,
+    ),
+    ("cluster_node_memory_used_bytes", "Memory the node uses.", lambda n: n.memory_used_bytes),
+    ("cluster_node_memory_total_bytes", "Memory the node has.", lambda n: n.memory_total_bytes),
+    ("cluster_node_layers", "Decoder layers the node holds.", lambda node: node.end - node.start),
+)
+
+# name -> (type, help); counters are written with the `_total` suffix.
+_CLUSTER_METRICS: dict[str, tuple[str, str]] = {
+    "cluster_tokens_per_second": ("gauge", "Generated tokens per second."),
+    "cluster_mtp_acceptance_rate": ("gauge", "Accepted / drafted MTP tokens."),
+    "cluster_requests_in_flight": ("gauge", "Requests being generated."),
+    "cluster_requests_running": ("gauge", "Requests holding an admission slot."),
+    "cluster_requests_queued": ("gauge", "Requests waiting for an admission slot."),
+    "cluster_requests": ("counter", "Generation requests received."),
+    "cluster_errors": ("counter", "Requests that failed on the server side."),
+    "cluster_requests_rejected": ("counter", "Requests refused as invalid or over capacity."),
+    "cluster_prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
+    "cluster_completion_tokens": ("counter", "Tokens generated for clients."),
+}
+
+
+def _node_labels(node: NodeStatus) -> dict[str, str]:
+    return {"node": node.node_id, "address": node.address, "device": node.device}
+
+
+class _Exposition:
+    """Builds the text format; counters get the `_total` suffix the format requires."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+
+    def family(
+        self,
+        name: str,
+        kind: str,
+        help_text: str,
+        samples: Iterable[tuple[dict[str, str], float]],
+    ) -> None:
+        self._lines.append(f"# HELP {name} {_escape_help(help_text)}")
+        self._lines.append(f"# TYPE {name} {kind}")
+        sample_name = f"{name}_total" if kind == "counter" else name
+        for labels, value in samples:
+            self._lines.append(f"{sample_name}{_labels(labels)} {_number(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self._lines) + "\n"
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{key}="{_escape_label(value)}"' for key, value in labels.items())
+    return "{" + body + "}"
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)

@@ -1,0 +1,360 @@
+"""The OpenAI wire format: request bodies in, response objects out, errors as OpenAI bodies.
+
+Parsing is strict where a silent misreading would change the output (types, ranges, `n`,
+logprobs that we cannot serve) and lenient where nothing is lost (unknown keys, an omitted
+`model` on a single-model server). Every refusal is an `ApiError`, rendered as the body that
+OpenAI clients know how to surface: `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.messages import RequestError, SamplingParams
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit; each one costs a scan of the held-back text
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class ApiError(Exception):
+    """A request the API refuses or could not serve, with its HTTP status and OpenAI body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CommonParams:
+    """What chat and text completions share: sampling, limits, stop strings, streaming."""
+
+    model: str
+    max_tokens: int | None  # None: as many as the context allows
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    messages: tuple[ChatMessage, ...]
+    params: CommonParams
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]  # text, or token ids as OpenAI also accepts
+    params: CommonParams
+
+
+def parse_chat_request(raw: bytes, *, model_id: str, max_context: int) -> ChatRequest:
+    """Parse a `/v1/chat/completions` body; raise `ApiError` for anything we would misread."""
+    body = _json_object(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("'messages' must be a non-empty array", "messages")
+    parsed = tuple(_chat_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    if "logprobs" in body and body["logprobs"] not in (None, False):
+        raise _unsupported("logprobs are not supported by this server", "logprobs")
+    return ChatRequest(parsed, _common_params(body, model_id=model_id, max_context=max_context))
+
+
+def parse_completion_request(raw: bytes, *, model_id: str, max_context: int) -> CompletionRequest:
+    """Parse a `/v1/completions` body (one prompt: a string or a list of token ids)."""
+    body = _json_object(raw)
+    if body.get("logprobs") not in (None, 0):
+        raise _unsupported("logprobs are not supported by this server", "logprobs")
+    if body.get("echo") not in (None, False):
+        raise _unsupported("echo is not supported by this server", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported("suffix is not supported by this server", "suffix")
+    prompt = _prompt(body.get("prompt"))
+    return CompletionRequest(
+        prompt, _common_params(body, model_id=model_id, max_context=max_context)
+    )
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _invalid(f"the request body is not valid JSON: {exc}", None) from exc
+    if not isinstance(body, dict):
+        raise _invalid("the request body must be a JSON object", None)
+    return body
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _chat_message(message: object, where: str) -> ChatMessage:
+    if not isinstance(message, dict):
+        raise _invalid(f"'{where}' must be an object", where)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise _invalid(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}", f"{where}.role")
+    return ChatMessage(role, _content(message.get("content"), f"{where}.content"))
+
+
+def _content(content: object, where: str) -> str:
+    """A string, or an array of text parts (what newer clients send), joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise _invalid(f"'{where}' may only hold text parts", where)
+            if not isinstance(part.get("text"), str):
+                raise _invalid(f"'{where}' text parts need a string 'text'", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _invalid(f"'{where}' must be a string or an array of text parts", where)
+
+
+def _prompt(prompt: object) -> str | tuple[int, ...]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _invalid("'prompt' must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _invalid("only one prompt per request is supported", "prompt")
+    raise _invalid("'prompt' must be a non-empty string or array of token ids", "prompt")
+
+
+def _common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> CommonParams:
+    model = _model(body.get("model"), model_id)
+    if body.get("n") not in (None, 1):
+        raise _invalid("'n' must be 1", "n")
+    max_tokens = _max_tokens(body, max_context)
+    stream = _optional(body, "stream", bool, False)
+    options = _optional(body, "stream_options", dict, {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise _invalid("'stream_options.include_usage' must be a boolean", "stream_options")
+    sampling = _sampling(body)
+    return CommonParams(model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage)
+
+
+def _model(model: object, model_id: str) -> str:
+    if model is None:
+        return model_id  # one model is served, so an omitted model is unambiguous
+    if not isinstance(model, str):
+        raise _invalid("'model' must be a string", "model")
+    if model != model_id:
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{model_id}'",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _max_tokens(body: dict[str, Any], max_context: int) -> int | None:
+    """`max_completion_tokens` is the current name and wins over the deprecated `max_tokens`."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise _invalid(f"'{name}' must be a positive integer", name)
+        if value > max_context:
+            raise _invalid(
+                f"'{name}' is {value}, but the model's context is {max_context} tokens",
+                name,
+                code="context_length_exceeded",
+            )
+        return value
+    return None
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    temperature = _optional_number(body, "temperature", 1.0)
+    if temperature < 0 or temperature > 2:
+        raise _invalid("'temperature' must be in [0, 2]", "temperature")
+    top_p = _optional_number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise _invalid("'top_p' must be in (0, 1]", "top_p")
+    top_k = _optional(body, "top_k", int, 0)
+    if top_k < -1:
+        raise _invalid("'top_k' must be >= 0 (or -1 for no limit)", "top_k")
+    min_p = _optional_number(body, "min_p", 0.0)
+    if not 0 <= min_p < 1:
+        raise _invalid("'min_p' must be in [0, 1)", "min_p")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**64):
+        raise _invalid("'seed' must be a 64-bit integer", "seed")
+    try:
+        return SamplingParams(temperature, top_p, max(top_k, 0), min_p, seed)
+    except RequestError as exc:  # the core's own checks, should they ever be stricter
+        raise _invalid(str(exc), None) from exc
+
+
+def _stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _invalid("'stop' must be a string or an array of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(not s for s in stops):
+        raise _invalid("'stop' strings must not be empty", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is int and not _is_int(value):
+        raise _invalid(f"'{name}' must be an integer", name)
+    if not isinstance(value, kind):
+        raise _invalid(f"'{name}' must be of type {_JSON_TYPE[kind]}", name)
+    return value
+
+
+def _optional_number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _invalid(f"'{name}' must be a number", name)
+    return float(value)
+
+
+def _is_int(value: object) -> bool:
+    """JSON integers only: Python's bool is an int, but `true` is not a token count."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_JSON_TYPE = {bool: "boolean", dict: "object", int: "integer", str: "string"}
+
+
+def _invalid(message: str, param: str | None, *, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _unsupported(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def body(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseIdentity:
+    """What every object of one response carries alike: chunks of a stream share id and time."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseIdentity:
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+    def header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def chat_completion(
+    ident: ResponseIdentity, text: str, finish_reason: str, usage: Usage
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return {**ident.header("chat.completion"), "choices": [choice], "usage": usage.body()}
+
+
+def chat_chunk(
+    ident: ResponseIdentity,
+    delta: dict[str, str],
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """One streamed choice delta: `{"role": ...}` first, then `{"content": ...}` pieces."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {**ident.header("chat.completion.chunk"), "choices": [choice]}
+
+
+def chat_usage_chunk(ident: ResponseIdentity, usage: Usage) -> dict[str, Any]:
+    """The last chunk when `stream_options.include_usage` is set: no choices, only usage."""
+    return {**ident.header("chat.completion.chunk"), "choices": [], "usage": usage.body()}
+
+
+def text_completion(
+    ident: ResponseIdentity,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage | None,
+) -> dict[str, Any]:
+    """A whole text completion, or (usage None) one streamed piece of it: same object type."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    body = {**ident.header("text_completion"), "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage.body()
+    return body
+
+
+def text_usage_chunk(ident: ResponseIdentity, usage: Usage) -> dict[str, Any]:
+    return {**ident.header("text_completion"), "choices": [], "usage": usage.body()}
+
+
+def model_list(model_id: str, created: int) -> dict[str, Any]:
+    entry = {"id": model_id, "object": "model", "created": created, "owned_by": "cluster"}
+    return {"object": "list", "data": [entry]}

@@ -1,0 +1,137 @@
+// The cluster dashboard: polls /api/cluster once a second and redraws the page from it.
+// DOM nodes are built with textContent only, so a node id or address can never inject markup.
+"use strict";
+
+const POLL_MS = 1000;
+const STALE_HEARTBEAT_S = 5;
+const GiB = 1024 ** 3;
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+const stageColor = (index) => `var(--stage-${index % 8})`;
+const fmtBytes = (b) => (b >= GiB ? `${(b / GiB).toFixed(1)} GiB` : `${(b / 1024 ** 2).toFixed(0)} MiB`);
+const fmtAge = (s) => (s < 1 ? `${Math.round(s * 1000)} ms ago` : s < 120 ? `${s.toFixed(1)} s ago` : `${Math.round(s / 60)} min ago`);
+
+function meter(label, used, total, color) {
+  const box = el("div", "meter");
+  const ratio = total > 0 ? Math.min(used / total, 1) : 0;
+  const caption = el("div", "meter-label");
+  caption.append(el("span", "", label), el("span", "mono", `${fmtBytes(used)} / ${fmtBytes(total)} · ${Math.round(ratio * 100)}%`));
+  const track = el("div", "meter-track");
+  const fill = el("div", "meter-fill" + (ratio > 0.95 ? " full" : ratio > 0.8 ? " high" : ""));
+  fill.style.width = `${(ratio * 100).toFixed(1)}%`;
+  fill.style.setProperty("--stage-color", color);
+  track.append(fill);
+  box.append(caption, track);
+  return box;
+}
+
+function nodeCard(node, index) {
+  const card = el("article", "node" + (node.up ? "" : " node-down"));
+  card.dataset.nodeId = node.node_id;
+  card.style.setProperty("--stage-color", stageColor(index));
+
+  const head = el("div", "node-head");
+  head.append(el("div", "node-id mono", node.node_id));
+  const badge = el("span", node.up ? "badge badge-up" : "badge badge-down", node.up ? "UP" : "DOWN");
+  badge.setAttribute("role", "status");
+  head.append(badge);
+
+  const roles = el("div", "roles");
+  if (node.is_head) roles.append(el("span", "role role-head", "head · embed"));
+  if (node.is_tail) roles.append(el("span", "role role-tail", "tail · lm_head + MTP"));
+  if (!node.is_head && !node.is_tail) roles.append(el("span", "role", "middle"));
+
+  const kv = el("dl", "kv");
+  const heartbeat = el("dd", node.last_heartbeat_s > STALE_HEARTBEAT_S ? "stale" : "", fmtAge(node.last_heartbeat_s));
+  const rows = [
+    ["Address", el("dd", "mono", node.address)],
+    ["Device", el("dd", "", node.device)],
+    ["Layers", el("dd", "mono", `[${node.start}, ${node.end}) · ${node.end - node.start}`)],
+    ["Step latency", el("dd", "mono", `${node.step_latency_ms.toFixed(1)} ms`)],
+    ["Heartbeat", heartbeat],
+  ];
+  for (const [label, value] of rows) kv.append(el("dt", "", label), value);
+
+  card.append(head, roles, kv, meter("Memory", node.memory_used_bytes, node.memory_total_bytes, stageColor(index)));
+  return card;
+}
+
+function drawLayerMap(nodes) {
+  const map = $("layer-map");
+  const total = nodes.reduce((m, n) => Math.max(m, n.end), 0);
+  $("layer-count").textContent = total ? `${total} decoder layers over ${nodes.length} nodes` : "";
+  map.replaceChildren();
+  nodes.forEach((node, index) => {
+    for (let layer = node.start; layer < node.end; layer++) {
+      const cell = el("div", "layer" + (node.up ? "" : " down"), String(layer));
+      cell.style.background = stageColor(index);
+      cell.title = `layer ${layer} on ${node.node_id}`;
+      map.append(cell);
+    }
+  });
+}
+
+function drawNodes(nodes) {
+  const box = $("nodes");
+  box.replaceChildren();
+  if (!nodes.length) {
+    box.append(el("div", "empty", "No nodes have joined yet."));
+    return;
+  }
+  nodes.forEach((node, index) => {
+    if (index > 0) box.append(el("div", "arrow", "→"));
+    box.append(nodeCard(node, index));
+  });
+}
+
+function drawStats(data) {
+  const { stats, admission } = data;
+  $("model-id").textContent = stats.model_id;
+  $("stat-tps").textContent = stats.tokens_per_s.toFixed(1);
+  $("stat-acceptance").textContent = `${(stats.acceptance_rate * 100).toFixed(1)}%`;
+  $("stat-inflight").textContent = String(stats.requests_in_flight);
+  $("stat-queued").textContent = admission ? `${admission.queued} / ${admission.max_queued}` : "—";
+  $("stat-requests").textContent = String(stats.requests_total);
+  $("stat-errors").textContent = String(stats.errors_total);
+  $("stat-errors").classList.toggle("bad", stats.errors_total > 0);
+}
+
+function drawHealth(text, cls) {
+  const pill = $("health");
+  pill.textContent = text;
+  pill.className = `pill ${cls}`;
+}
+
+function draw(data) {
+  drawStats(data);
+  drawLayerMap(data.nodes);
+  drawNodes(data.nodes);
+  const down = data.nodes.filter((n) => !n.up).length;
+  if (!data.nodes.length) drawHealth("no nodes", "pill-bad");
+  else if (down) drawHealth(`degraded · ${down} down`, "pill-bad");
+  else drawHealth("healthy", "pill-ok");
+  $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+}
+
+async function poll() {
+  try {
+    const response = await fetch("/api/cluster", { cache: "no-store", signal: AbortSignal.timeout(2500) });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    draw(await response.json());
+  } catch (err) {
+    drawHealth("coordinator unreachable", "pill-bad");
+    $("updated").textContent = String(err.message || err);
+  } finally {
+    setTimeout(poll, POLL_MS); // after the answer, so slow answers never pile up
+  }
+}
+
+poll();

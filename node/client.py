@@ -1,0 +1,276 @@
+"""The driver's side of the node daemons: a `Pipeline` over remote shards.
+
+The driver (the coordinator, or `cluster generate --nodes`) loads a shard on each node, keeps
+one step stream open to the head and one results stream open from every node, and watches
+each node with a heartbeat. A step is one message to the head; the nodes pass it along among
+themselves; the tail's result comes back on its results stream. A node that dies or falls
+silent fails the requests in flight with an error that names it, within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cluster.config import load_model_config
+from cluster.engine import GenerationEngine
+from cluster.local import even_ranges, shard_specs
+from cluster.messages import RequestError, StepRequest, StepResult
+from cluster.wire import grpc_channel_options, results_from_proto, step_batch_to_proto
+from node.auth import token_metadata
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+LOAD_TIMEOUT_S = 900.0
+
+
+class NodeUnavailable(ConnectionError):
+    """A node that cannot be reached or stopped answering (the message names it)."""
+
+
+class NodeClient:
+    """Unary calls to one node, each with the cluster token and a deadline."""
+
+    def __init__(self, address: str, token: str):
+        self.address = address
+        self.metadata = token_metadata(token)
+        self.channel = grpc.aio.insecure_channel(address, options=grpc_channel_options())
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self.node_id = address  # until Info says otherwise
+
+    def describe(self) -> str:
+        return self.address if self.node_id == self.address else f"{self.node_id} ({self.address})"
+
+    async def info(self, timeout: float = RPC_TIMEOUT_S) -> pb.NodeInfo:
+        info = await self._call(self.stub.Info, pb.InfoRequest(), timeout)
+        self.node_id = info.node_id
+        return info
+
+    async def load_shard(self, request: pb.LoadShardRequest) -> pb.NodeInfo:
+        return await self._call(self.stub.LoadShard, request, LOAD_TIMEOUT_S)
+
+    async def release(self, request_id: str) -> bool:
+        reply = await self._call(self.stub.Release, pb.ReleaseRequest(request_id=request_id))
+        return reply.released
+
+    async def rollback(self, request_id: str, drop: int) -> int:
+        reply = await self._call(
+            self.stub.Rollback, pb.RollbackRequest(request_id=request_id, drop=drop)
+        )
+        return reply.position
+
+    async def _call(self, method, request, timeout: float = RPC_TIMEOUT_S):
+        try:
+            return await method(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise NodeUnavailable(
+                    f"node {self.describe()} is unreachable: {error.details()}"
+                ) from None
+            raise
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RemotePipeline:
+    """`cluster.pipeline.Pipeline` over node daemons (head first, tail last)."""
+
+    def __init__(
+        self,
+        clients: list[NodeClient],
+        *,
+        max_context: int,
+        heartbeat_s: float = 1.0,
+        heartbeat_timeout_s: float = 2.0,
+    ):
+        self.clients = clients
+        self._max_context = max_context
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._pending: dict[str, deque[asyncio.Future[StepResult]]] = defaultdict(deque)
+        self._sequence = itertools.count()
+        self._send_lock = asyncio.Lock()
+        self._head_call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.failure: NodeUnavailable | None = None
+        self.messages_sent = 0
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    async def start(self) -> None:
+        head = self.clients[0]
+        self._head_call = head.stub.Steps(metadata=head.metadata)
+        for client in self.clients:
+            call = client.stub.Results(pb.ResultsRequest(), metadata=client.metadata)
+            self._tasks.append(asyncio.create_task(self._listen(client, call)))
+            self._tasks.append(asyncio.create_task(self._heartbeat(client)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._head_call is not None:
+            self._head_call.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self.clients:
+            await client.close()
+
+    # -- Pipeline ---------------------------------------------------------------------------
+
+    async def submit(self, step: StepRequest) -> StepResult:
+        if self.failure is not None:
+            raise self.failure
+        future = asyncio.get_running_loop().create_future()
+        self._pending[step.request_id].append(future)
+        message = step_batch_to_proto([step], None, next(self._sequence))
+        try:
+            async with self._send_lock:
+                await self._head_call.write(message)
+                self.messages_sent += 1
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:
+            self._fail_all(
+                NodeUnavailable(f"node {self.clients[0].describe()} is unreachable: {error}")
+            )
+        return await future
+
+    async def release(self, request_id: str) -> None:
+        for future in self._pending.pop(request_id, ()):
+            future.cancel()
+        results = await asyncio.gather(
+            *(client.release(request_id) for client in self.clients), return_exceptions=True
+        )
+        for client, result in zip(self.clients, results, strict=True):
+            if isinstance(result, Exception):
+                log.debug("release of %s on %s failed: %s", request_id, client.describe(), result)
+
+    # -- streams and liveness ---------------------------------------------------------------
+
+    async def _listen(self, client: NodeClient, call: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            async for batch in call:
+                results, errors = results_from_proto(batch)
+                for result in results:
+                    self._resolve(result.request_id, result=result)
+                for request_id, code, message in errors:
+                    error = RequestError(f"node {client.describe()}: {message}")
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        error = NodeUnavailable(message)
+                    self._resolve(request_id, error=error)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                self._fail_all(
+                    NodeUnavailable(f"node {client.describe()} is unreachable: {error.details()}")
+                )
+
+    async def _heartbeat(self, client: NodeClient) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await client.info(timeout=self.heartbeat_timeout_s)
+            except (NodeUnavailable, grpc.aio.AioRpcError) as error:
+                self._fail_all(
+                    NodeUnavailable(f"node {client.describe()} stopped answering: {error}")
+                )
+
+    def _resolve(
+        self, request_id: str, *, result: StepResult | None = None, error: Exception | None = None
+    ) -> None:
+        futures = self._pending.get(request_id)
+        if not futures:
+            return  # released already, or another driver's request
+        if error is not None:
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+            del self._pending[request_id]
+            return
+        future = futures.popleft()
+        if not futures:
+            del self._pending[request_id]
+        if not future.done():
+            future.set_result(result)
+
+    def _fail_all(self, error: NodeUnavailable) -> None:
+        log.warning("%s", error)
+        self.failure = error
+        pending, self._pending = self._pending, defaultdict(deque)
+        for futures in pending.values():
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+
+
+@dataclass
+class RemoteEngine:
+    engine: GenerationEngine
+    pipeline: RemotePipeline
+
+    async def close(self) -> None:
+        await self.pipeline.close()
+
+
+async def load_pipeline(
+    model_dir: str | Path,
+    addresses: list[str],
+    *,
+    token: str,
+    ranges: list[tuple[int, int]] | None = None,
+    node_model_dir: str | None = None,
+    dtype: str = "",
+    cache_budget_bytes: int | None = None,
+) -> RemotePipeline:
+    """Load the shards (evenly split unless `ranges`) and open the streams."""
+    if not token:
+        raise ValueError("a cluster token is needed to talk to nodes (--token or CLUSTER_TOKEN)")
+    config = load_model_config(model_dir)
+    ranges = ranges or even_ranges(config.num_layers, len(addresses))
+    if len(ranges) != len(addresses):
+        raise ValueError(f"{len(ranges)} layer ranges for {len(addresses)} nodes")
+    specs = shard_specs(ranges)
+    if specs[-1].end != config.num_layers or specs[0].start != 0:
+        raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
+    clients = [NodeClient(address, token) for address in addresses]
+    try:
+        await asyncio.gather(*(c.info() for c in clients))
+        requests = []
+        for i, spec in enumerate(specs):
+            request = pb.LoadShardRequest(
+                model_dir=str(node_model_dir or Path(model_dir).resolve()),
+                start=spec.start, end=spec.end, is_head=spec.is_head, is_tail=spec.is_tail,
+                dtype=dtype, next_node=addresses[i + 1] if i + 1 < len(addresses) else "",
+                model_id=Path(model_dir).name,
+            )  # fmt: skip
+            if cache_budget_bytes is not None:
+                request.cache_budget_bytes = cache_budget_bytes
+            requests.append(request)
+        await asyncio.gather(*(c.load_shard(r) for c, r in zip(clients, requests, strict=True)))
+    except BaseException:
+        for client in clients:
+            await client.close()
+        raise
+    pipeline = RemotePipeline(clients, max_context=config.max_context)
+    await pipeline.start()
+    return pipeline
+
+
+async def open_remote_engine(
+    model_dir: str | Path,
+    addresses: list[str],
+    *,
+    token: str | None,
+    ranges: list[tuple[int, int]] | None = None,
+    prefill_chunk: int = 512,
+) -> RemoteEngine:
+    pipeline = await load_pipeline(model_dir, addresses, token=token or "", ranges=ranges)
+    return RemoteEngine(GenerationEngine(pipeline, prefill_chunk=prefill_chunk), pipeline)

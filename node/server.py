@@ -1,0 +1,292 @@
+"""The node daemon: `cluster node --host H --port P --token SECRET`.
+
+A gRPC (asyncio) service around one shard: Info for health, LoadShard to take a layer range,
+Steps for the activation stream, Results for the drivers, Release and Rollback for a request's
+state. All MLX work runs on one worker thread; the event loop only moves messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import click
+import grpc
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from cluster import __version__
+from cluster.config import ModelDirError
+from cluster.loading import load_shard
+from cluster.messages import RequestError
+from cluster.runner import ShardRunner
+from cluster.shard import ShardSpec
+from cluster.wire import grpc_server_options
+from cluster.worker import MLXWorker
+from node.auth import TokenInterceptor
+from node.stage import Stage, Subscribers, status_of
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+IDLE_SWEEP_SECONDS = 5.0
+
+
+def device_name() -> str:
+    device = mx.default_device()
+    if device.type == mx.gpu and mx.metal.is_available():
+        return f"{platform.machine()} Metal GPU"
+    if device.type == mx.gpu:
+        return "CUDA GPU"
+    return f"{platform.machine()} CPU"
+
+
+def total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def process_memory_bytes() -> int:
+    """Resident memory of this process (Linux /proc; elsewhere MLX's own active memory)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return mx.get_active_memory()
+
+
+class NodeService(pb_grpc.NodeServicer):
+    def __init__(
+        self,
+        *,
+        token: str,
+        node_id: str,
+        cache_budget_bytes: int | None = None,
+        idle_timeout_s: float = 600.0,
+    ):
+        self.token = token
+        self.node_id = node_id
+        self.cache_budget_bytes = cache_budget_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.worker = MLXWorker()
+        self.subscribers = Subscribers()
+        self.stage: Stage | None = None
+        self.shard_request: pb.LoadShardRequest | None = None
+        self.weights_bytes = 0
+        self.started = time.monotonic()
+        self._load_lock = asyncio.Lock()
+        self._sweeper = asyncio.create_task(self._sweep_idle())
+
+    async def close(self) -> None:
+        self._sweeper.cancel()
+        if self.stage:
+            await self.stage.close()
+        self.worker.close()
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        return self._info()
+
+    async def LoadShard(
+        self, request: pb.LoadShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeInfo:
+        async with self._load_lock:
+            if self.stage:
+                await self.stage.close()
+                self.stage = None
+            try:
+                spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
+                dtype = getattr(mx, request.dtype) if request.dtype else None
+                shard = await self.worker.run(
+                    load_shard, Path(request.model_dir), spec, dtype=dtype
+                )
+            except (ModelDirError, ValueError, OSError, AttributeError) as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load shard: {error}")
+            budget = (
+                request.cache_budget_bytes
+                if request.HasField("cache_budget_bytes")
+                else self.cache_budget_bytes
+            )
+            runner = ShardRunner(shard, cache_budget_bytes=budget)
+            self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
+            self.stage = Stage(
+                runner, self.worker, self.subscribers,
+                next_node=request.next_node or None, token=self.token,
+            )  # fmt: skip
+            self.shard_request = request
+            log.info("loaded %s of %s", spec.describe(), request.model_dir)
+            return self._info()
+
+    async def Steps(
+        self, request_iterator: AsyncIterator[pb.StepBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepEvent]:
+        stage = await self._require_stage(context)
+        replies: asyncio.Queue[pb.StepEvent | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    stage.accept(message, replies.put_nowait)
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (event := await replies.get()) is not None:
+                yield event
+        finally:
+            reader.cancel()
+
+    async def Results(
+        self, request: pb.ResultsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ResultBatch]:
+        queue = self.subscribers.add()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.subscribers.remove(queue)
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseReply:
+        stage = await self._require_stage(context)
+        released = await self.worker.run(stage.runner.release, request.request_id)
+        return pb.ReleaseReply(released=released)
+
+    async def Rollback(
+        self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RollbackReply:
+        stage = await self._require_stage(context)
+        try:
+            position = await self.worker.run(
+                stage.runner.rollback, request.request_id, request.drop
+            )
+        except RequestError as error:
+            await context.abort(status_of(error), str(error))
+        return pb.RollbackReply(applied=True, position=position)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def _require_stage(self, context: grpc.aio.ServicerContext) -> Stage:
+        if self.stage is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shard loaded")
+        return self.stage
+
+    def _info(self) -> pb.NodeInfo:
+        info = pb.NodeInfo(
+            node_id=self.node_id,
+            version=__version__,
+            device=device_name(),
+            memory_total_bytes=total_memory_bytes(),
+            memory_used_bytes=process_memory_bytes(),
+            weights_bytes=self.weights_bytes,
+            uptime_s=time.monotonic() - self.started,
+        )
+        if self.stage is not None and self.shard_request is not None:
+            r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
+            info.shard.CopyFrom(pb.ShardSpec(
+                model_id=r.model_id, model_dir=r.model_dir, start=r.start, end=r.end,
+                is_head=r.is_head, is_tail=r.is_tail, dtype=r.dtype, next_node=r.next_node,
+            ))  # fmt: skip
+            info.cache_bytes = runner.cache_bytes
+            info.cache_budget_bytes = runner.cache_budget_bytes or 0
+            info.active_requests = len(runner.requests)
+            info.steps_total = stats.messages_in
+            info.step_latency_ms = stats.mean_latency_ms
+        return info
+
+    async def _sweep_idle(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SWEEP_SECONDS)
+            if self.stage is not None:
+                evicted = await self.worker.run(self.stage.runner.evict_idle, self.idle_timeout_s)
+                if evicted:
+                    log.info("freed %d idle request(s)", len(evicted))
+
+
+async def serve(
+    host: str,
+    port: int,
+    token: str,
+    *,
+    node_id: str | None = None,
+    cache_budget_bytes: int | None = None,
+    idle_timeout_s: float = 600.0,
+    advertise: bool = False,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Run a node until cancelled."""
+    node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
+    service = NodeService(
+        token=token, node_id=node_id, cache_budget_bytes=cache_budget_bytes,
+        idle_timeout_s=idle_timeout_s,
+    )  # fmt: skip
+    server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
+    pb_grpc.add_NodeServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    advertiser = None
+    if advertise:
+        from node.advertise import NodeAdvertiser
+
+        advertiser = NodeAdvertiser(
+            node_id=node_id, port=bound, memory_bytes=total_memory_bytes(),
+            device=device_name(), version=__version__,
+        )  # fmt: skip
+        await advertiser.start()
+    log.info("node %s listening on %s:%d", node_id, host, bound)
+    print(f"node {node_id} listening on {host}:{bound}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await server.wait_for_termination()
+    finally:
+        if advertiser is not None:
+            await advertiser.stop()
+        await server.stop(grace=1.0)
+        await service.close()
+
+
+@click.command("node")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=50151, show_default=True)
+@click.option("--token", envvar="CLUSTER_TOKEN", required=True, help="Cluster secret.")
+@click.option("--node-id", default=None, help="Name shown in the coordinator.")
+@click.option("--cache-budget-gb", type=float, default=None,
+              help="Memory for request caches on this node (default: unlimited).")  # fmt: skip
+@click.option("--idle-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds after which an idle request's caches are freed.")  # fmt: skip
+@click.option("--advertise/--no-advertise", default=True, show_default=True,
+              help="Announce this node over mDNS (zeroconf).")  # fmt: skip
+def node_command(
+    host: str,
+    port: int,
+    token: str,
+    node_id: str | None,
+    cache_budget_gb: float | None,
+    idle_timeout: float,
+    advertise: bool,
+) -> None:
+    """Run a node daemon that serves one shard of a model."""
+    budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
+    try:
+        asyncio.run(serve(host, port, token, node_id=node_id, cache_budget_bytes=budget,
+                          idle_timeout_s=idle_timeout, advertise=advertise))  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    except OSError as error:
+        raise click.ClickException(str(error)) from error

@@ -1,0 +1,245 @@
+"""A node's per-token path: step messages in, its layers, step messages (or tokens) out.
+
+Messages from the upstream (the driver for the head, the previous node otherwise) queue up
+while the shard computes; when it is free, everything queued (at most one step per request)
+is merged into one packed batch, so requests in flight share each pass over the weights. The
+output goes to the successor over one long-lived stream, or, on the tail, to the drivers
+subscribed to the node's results. Per-request errors go to the subscribers too; the other
+requests of the batch carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import mlx.core as mx
+
+from cluster.messages import RequestError, StepRequest
+from cluster.runner import CacheBudgetError, ShardRunner
+from cluster.wire import (
+    WireError,
+    grpc_channel_options,
+    results_to_proto,
+    step_batch_from_proto,
+    step_batch_to_proto,
+)
+from cluster.worker import MLXWorker
+from node.auth import token_metadata
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+Reply = Callable[[pb.StepEvent], None]
+
+
+def status_of(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, CacheBudgetError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, RequestError) and "unknown request" in str(error):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, (RequestError, WireError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class Subscribers:
+    """The drivers listening to this node's results and errors."""
+
+    def __init__(self) -> None:
+        self._queues: set[asyncio.Queue[pb.ResultBatch]] = set()
+
+    def add(self) -> asyncio.Queue[pb.ResultBatch]:
+        queue: asyncio.Queue[pb.ResultBatch] = asyncio.Queue()
+        self._queues.add(queue)
+        return queue
+
+    def remove(self, queue: asyncio.Queue[pb.ResultBatch]) -> None:
+        self._queues.discard(queue)
+
+    def publish(self, batch: pb.ResultBatch) -> None:
+        for queue in self._queues:
+            queue.put_nowait(batch)
+
+    def fail(self, request_ids: list[str], code: grpc.StatusCode, message: str) -> None:
+        if request_ids:
+            self.publish(results_to_proto([], [(rid, code, message) for rid in request_ids]))
+
+
+@dataclass(slots=True)
+class _Inbound:
+    message: pb.StepBatch
+    reply: Reply
+    request_ids: frozenset[str]
+
+
+@dataclass(slots=True)
+class StageStats:
+    messages_in: int = 0
+    messages_out: int = 0
+    batches: int = 0
+    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+
+    @property
+    def mean_latency_ms(self) -> float:
+        return sum(self.latencies_ms) / len(self.latencies_ms) if self.latencies_ms else 0.0
+
+
+class Downstream:
+    """The long-lived step stream to the successor, reopened if it breaks."""
+
+    def __init__(self, address: str, token: str):
+        self.address = address
+        self._token = token
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def send(self, message: pb.StepBatch) -> None:
+        if self._call is None or self._call.done():
+            await self.close()
+            self._channel = grpc.aio.insecure_channel(self.address, options=grpc_channel_options())
+            stub = pb_grpc.NodeStub(self._channel)
+            self._call = stub.Steps(metadata=token_metadata(self._token))
+        await self._call.write(message)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+        self._call = self._channel = None
+
+
+class Stage:
+    def __init__(
+        self,
+        runner: ShardRunner,
+        worker: MLXWorker,
+        subscribers: Subscribers,
+        *,
+        next_node: str | None,
+        token: str,
+        max_batch_positions: int = 4096,
+    ):
+        self.runner = runner
+        self.worker = worker
+        self.subscribers = subscribers
+        self.downstream = Downstream(next_node, token) if next_node else None
+        self.max_batch_positions = max_batch_positions
+        self.stats = StageStats()
+        self._inbound: deque[_Inbound] = deque()
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._loop())
+
+    def accept(self, message: pb.StepBatch, reply: Reply) -> None:
+        self.stats.messages_in += 1
+        rids = frozenset(entry.request_id for entry in message.entries)
+        self._inbound.append(_Inbound(message, reply, rids))
+        self._wakeup.set()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        if self.downstream:
+            await self.downstream.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._inbound:
+                batch = self._take()
+                try:
+                    await self._process(batch)
+                except Exception:  # keep serving; the requests of the batch get the error
+                    log.exception("step batch failed")
+                    rids = [rid for item in batch for rid in item.request_ids]
+                    self.subscribers.fail(rids, grpc.StatusCode.INTERNAL, "step failed on node")
+
+    def _take(self) -> list[_Inbound]:
+        """Queued messages to run together: at most one step per request, in arrival order."""
+        taken, seen, deferred, positions = [], set(), [], 0
+        while self._inbound:
+            item = self._inbound.popleft()
+            size = sum(len(e.tokens) for e in item.message.entries)
+            if item.request_ids & seen or (taken and positions + size > self.max_batch_positions):
+                deferred.append(item)
+                continue
+            taken.append(item)
+            seen |= item.request_ids
+            positions += size
+        self._inbound.extendleft(reversed(deferred))
+        return taken
+
+    async def _process(self, batch: list[_Inbound]) -> None:
+        started = time.perf_counter()
+        output, errors = await self.worker.run(self._compute, batch)
+        self.stats.latencies_ms.append((time.perf_counter() - started) * 1000)
+        self.stats.batches += 1
+        if errors:
+            self.subscribers.publish(results_to_proto([], errors))
+        if output is None:
+            return
+        if self.downstream is None:
+            self.subscribers.publish(output)
+            return
+        try:
+            await self.downstream.send(output)
+            self.stats.messages_out += 1
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, OSError) as error:
+            await self.downstream.close()
+            rids = [entry.request_id for entry in output.entries]
+            message = f"next node {self.downstream.address} is unreachable: {error}"
+            log.warning(message)
+            self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message)
+
+    def _compute(
+        self, batch: list[_Inbound]
+    ) -> tuple[pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]]]:
+        """On the MLX worker: decode, run the shard, encode."""
+        errors: list[tuple[str, grpc.StatusCode, str]] = []
+        steps: list[StepRequest] = []
+        hidden: list[mx.array] = []
+        for item in batch:
+            try:
+                entries, h, _ = step_batch_from_proto(item.message)
+                self._check_hidden(entries, h)
+            except (WireError, RequestError) as error:
+                code = status_of(error)
+                item.reply(pb.StepEvent(sequence=item.message.sequence))
+                errors += [(rid, code, str(error)) for rid in item.request_ids]
+                continue
+            steps += entries
+            if h is not None:
+                hidden.append(h)
+        if not steps:
+            return None, errors
+        x = None
+        if hidden:
+            x = hidden[0] if len(hidden) == 1 else mx.concatenate(hidden, axis=1)
+        out = self.runner.run(steps, x)
+        errors += [(rid, status_of(e), str(e)) for rid, e in out.errors.items()]
+        for rid in out.errors:  # a failed request is dropped on this node too
+            self.runner.release(rid)
+        if not out.steps:
+            return None, errors
+        if out.hidden is None:
+            return results_to_proto(out.results, []), errors
+        return step_batch_to_proto(out.steps, out.hidden, 0), errors
+
+    def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
+        spec = self.runner.spec
+        if spec.is_head:
+            if hidden is not None:
+                raise RequestError("the head embeds tokens itself; a step for it has no hidden")
+            return
+        positions = sum(len(e.tokens) for e in entries)
+        expected = (1, positions, self.runner.shard.hidden_size)
+        if hidden is None or tuple(hidden.shape) != expected:
+            got = None if hidden is None else tuple(hidden.shape)
+            raise RequestError(f"hidden states of shape {got}, expected {expected}")

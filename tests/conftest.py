@@ -1,0 +1,41 @@
+"""Shared fixtures: the bundled model, its tokenizer, and an engine factory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from cluster.config import bundled_model_path
+
+T = TypeVar("T")
+
+CODE_PROMPTS = (
+    "import os\nimport sys\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "# Parse command line arguments\nimport argparse\n\nparser = ",
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path):
+    return load_tokenizer(model_dir)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def arun() -> Callable[[Coroutine[Any, Any, T]], T]:
+    return run

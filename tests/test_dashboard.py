@@ -1,0 +1,87 @@
+"""The dashboard at `/` in headless Chromium: every node shown in pipeline order, and a node
+that goes down is marked as such on the next poll.
+
+Needs Playwright's Python package (`pip install playwright`, no browser download) and Debian's
+`chromium`; the test is skipped, saying why, when either is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.fakes import FakeClusterView, FakeEngine, Served, serve
+
+playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOT = "/tmp/dashboard.png"
+POLL_DEADLINE_MS = 5000  # the page polls every second; allow a few polls
+
+
+@pytest.fixture
+def page_and_server() -> Iterator[tuple[Any, Served]]:
+    if not shutil.which(CHROMIUM):
+        pytest.skip("apt-get install -y chromium")
+    with (
+        serve(FakeEngine.saying("hi"), view=FakeClusterView()) as served,
+        playwright.sync_playwright() as pw,
+    ):
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 820})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+            page.goto(f"{served.url}/")
+            yield page, served
+            assert errors == [], f"the page logged errors: {errors}"
+        finally:
+            browser.close()
+
+
+def test_dashboard_shows_nodes_and_marks_a_down_one(page_and_server: tuple[Any, Served]):
+    page, served = page_and_server
+    expect = playwright.expect
+    cards = page.locator(".node")
+    expect(cards).to_have_count(3, timeout=POLL_DEADLINE_MS)
+    for index, node in enumerate(served.view.nodes):
+        card = cards.nth(index)  # pipeline order, head first
+        expect(card).to_have_attribute("data-node-id", node.node_id)
+        expect(card).to_contain_text(node.address)
+        expect(card).to_contain_text(f"[{node.start}, {node.end})")
+        expect(card).to_contain_text(f"{node.step_latency_ms:.1f} ms")
+        expect(card.locator(".badge")).to_have_text("UP")
+        expect(card).not_to_have_class(re.compile(r"\bnode-down\b"))
+    expect(cards.nth(0)).to_contain_text("head")
+    expect(cards.nth(2)).to_contain_text("tail")
+    expect(page.locator("#health")).to_have_text("healthy")
+    expect(page.locator("#stat-tps")).to_have_text("42.5")
+    expect(page.locator("#stat-acceptance")).to_have_text("73.0%")
+    expect(page.locator(".layer")).to_have_count(8)
+
+    served.view.set_up("mac-1", False)
+    down = page.locator('.node[data-node-id="mac-1"]')
+    expect(down).to_have_class(re.compile(r"\bnode-down\b"), timeout=POLL_DEADLINE_MS)
+    expect(down.locator(".badge")).to_have_text("DOWN")
+    expect(page.locator(".node-down")).to_have_count(1)
+    expect(page.locator("#health")).to_contain_text("degraded")
+    assert page.locator(".badge").all_inner_texts() == ["UP", "DOWN", "UP"]
+    page.screenshot(path=SCREENSHOT, full_page=True)
+
+    served.view.set_up("mac-1", True)  # and it recovers on the page too
+    expect(page.locator(".node-down")).to_have_count(0, timeout=POLL_DEADLINE_MS)

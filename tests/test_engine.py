@@ -1,0 +1,111 @@
+"""The engine in one process: greedy identity with and without MTP, and with mlx-lm."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import CODE_PROMPTS, run
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate
+
+from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.local import open_local_engine
+from cluster.messages import RequestError, RequestOptions
+
+MAX_TOKENS = 64
+
+
+async def _generate_all(model_dir, prompts, *, mtp: bool, ranges=None, concurrent=False):
+    local = await open_local_engine(model_dir, ranges=ranges, mtp=mtp)
+    try:
+        stop = frozenset(local.config.eos_token_ids)
+        requests = [
+            GenerationRequest(tuple(p), MAX_TOKENS, RequestOptions(mtp=mtp), stop) for p in prompts
+        ]
+        if concurrent:
+            outs = await asyncio.gather(*(local.engine.generate(r) for r in requests))
+        else:
+            outs = [await local.engine.generate(r) for r in requests]
+        assert all(not runner.requests for runner in local.runners), "state leaked"
+        return outs
+    finally:
+        local.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in CODE_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir, prompts):
+    return run(_generate_all(model_dir, prompts, mtp=False))
+
+
+@pytest.fixture(scope="module")
+def with_mtp(model_dir, prompts):
+    return run(_generate_all(model_dir, prompts, mtp=True))
+
+
+def test_greedy_mtp_matches_plain_decoding(plain, with_mtp) -> None:
+    for a, b in zip(plain, with_mtp, strict=True):
+        assert a.tokens == b.tokens
+        assert len(a.tokens) == MAX_TOKENS
+    drafted = sum(o.drafted for o in with_mtp)
+    accepted = sum(o.accepted for o in with_mtp)
+    # Both outcomes of verification were exercised, and the head is the trained one.
+    assert 0 < accepted < drafted
+    assert accepted / drafted > 0.4
+    assert all(o.drafted == 0 for o in plain)
+
+
+def test_greedy_matches_mlx_lm_stream_generate(model_dir, tokenizer, prompts, with_mtp) -> None:
+    model, _ = mlx_lm_load(str(model_dir))
+    for prompt, ours in zip(prompts, with_mtp, strict=True):
+        theirs = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)]
+        assert list(ours.tokens) == theirs
+
+
+def test_concurrent_requests_batch_to_the_same_tokens(model_dir, prompts, with_mtp) -> None:
+    together = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
+    assert [o.tokens for o in together] == [o.tokens for o in with_mtp]
+
+
+def test_shards_in_sequence_match_the_whole_model(model_dir, prompts, with_mtp) -> None:
+    split = run(_generate_all(model_dir, prompts, mtp=True, ranges=[(0, 3), (3, 8)]))
+    assert [o.tokens for o in split] == [o.tokens for o in with_mtp]
+
+
+def test_small_prefill_chunks_give_the_same_tokens(model_dir, prompts, with_mtp) -> None:
+    async def go():
+        local = await open_local_engine(model_dir)
+        engine = GenerationEngine(local.engine.pipeline, prefill_chunk=3)
+        try:
+            stop = frozenset(local.config.eos_token_ids)
+            return [await engine.generate(GenerationRequest(tuple(p), MAX_TOKENS, stop_tokens=stop))
+                    for p in prompts]  # fmt: skip
+        finally:
+            local.close()
+
+    assert [o.tokens for o in run(go())] == [o.tokens for o in with_mtp]
+
+
+def test_prompt_longer_than_the_context_is_refused(model_dir) -> None:
+    async def go() -> None:
+        local = await open_local_engine(model_dir)
+        try:
+            too_long = tuple([5] * local.engine.max_context)
+            with pytest.raises(RequestError, match="exceeds the context"):
+                await local.engine.generate(GenerationRequest(too_long, 8))
+        finally:
+            local.close()
+
+    run(go())
+
+
+def test_bad_generation_requests_are_refused() -> None:
+    with pytest.raises(RequestError, match="empty"):
+        GenerationRequest((), 8)
+    with pytest.raises(RequestError, match="max_tokens"):
+        GenerationRequest((1, 2), 0)

@@ -1,0 +1,115 @@
+"""Sampling: the filters, and lossless speculative sampling with the MTP head."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import run
+from scipy.stats import chi2_contingency
+
+import cluster.verify as verify
+from cluster.engine import GenerationRequest
+from cluster.local import open_local_engine
+from cluster.messages import RequestError, RequestOptions, SamplingParams
+from cluster.sampling import RequestRandom, log_probs, sample
+
+DRAWS = 800
+PROMPT = "import os\nimport sys\n\n\ndef "
+
+
+def test_filters() -> None:
+    logits = mx.log(mx.array([[0.5, 0.25, 0.15, 0.1]]))
+    probs = lambda **kw: np.exp(np.array(log_probs(logits, SamplingParams(1.0, **kw))))[0]  # noqa: E731
+    np.testing.assert_allclose(probs(), [0.5, 0.25, 0.15, 0.1], rtol=1e-5)
+    np.testing.assert_allclose(probs(top_k=2), [2 / 3, 1 / 3, 0, 0], rtol=1e-5)
+    np.testing.assert_allclose(probs(top_p=0.7), [2 / 3, 1 / 3, 0, 0], rtol=1e-5)
+    np.testing.assert_allclose(probs(min_p=0.35), [2 / 3, 1 / 3, 0, 0], rtol=1e-5)
+    hot = np.exp(np.array(log_probs(logits, SamplingParams(2.0))))[0]
+    assert hot[0] < 0.5 and hot[3] > 0.1
+    greedy = sample(log_probs(logits, SamplingParams()), SamplingParams(), RequestRandom(0))
+    assert greedy.item() == 0
+
+
+def test_seeded_sampling_replays() -> None:
+    logits = mx.random.normal((1, 100), key=mx.random.key(3))
+    params = SamplingParams(1.0, seed=7)
+    draw = lambda: [sample(log_probs(logits, params), params, r).item()  # noqa: E731
+                    for r in [RequestRandom(7)] for _ in range(20)]  # fmt: skip
+    assert draw() == draw()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1}]
+)
+def test_bad_sampling_params(kwargs: dict) -> None:
+    with pytest.raises(RequestError):
+        SamplingParams(**kwargs)
+
+
+def test_verifier_is_lossless_on_fixed_distributions() -> None:
+    """Draft from q, verify against p: the emitted first token is distributed as p."""
+    p = np.array([0.5, 0.2, 0.2, 0.1])
+    q = np.array([0.1, 0.6, 0.1, 0.2])
+    params = SamplingParams(1.0)
+    rng = RequestRandom(0)
+    target = mx.log(mx.array(np.stack([p, p])))
+    counts = Counter()
+    for _ in range(4000):
+        d = int(mx.random.categorical(mx.log(mx.array(q)), key=rng.next_key()).item())
+        c = verify.propose(target, (d,), mx.log(mx.array(q))[None], params, rng)
+        mx.eval(c.arrays())
+        emitted, _ = verify.decide(c, (d,))
+        counts[emitted[0]] += 1
+    observed = np.array([counts[i] for i in range(4)])
+    _, pvalue = chi2_contingency(np.stack([observed, p * 4000]))[:2]
+    assert pvalue > 1e-3, (observed, p * 4000)
+
+
+async def _second_and_third_tokens(model_dir, tokenizer, *, mtp: bool, seed0: int):
+    local = await open_local_engine(model_dir, mtp=mtp)
+    try:
+        prompt = tuple(tokenizer.encode(PROMPT))
+        requests = [
+            GenerationRequest(prompt, 3, RequestOptions(SamplingParams(1.0, seed=seed0 + i), mtp))
+            for i in range(DRAWS)
+        ]
+        outs = await asyncio.gather(*(local.engine.generate(r) for r in requests))
+        if mtp:
+            assert sum(o.drafted for o in outs) > 0
+        return [o.tokens[1] for o in outs], [o.tokens[2] for o in outs]
+    finally:
+        local.close()
+
+
+def _homogeneity_pvalue(a: list[int], b: list[int]) -> float:
+    """Chi-square test that two samples come from one distribution (rare tokens pooled)."""
+    ca, cb = Counter(a), Counter(b)
+    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]
+    rows = [[ca[t] for t in common], [cb[t] for t in common]]
+    rows[0].append(len(a) - sum(rows[0]))
+    rows[1].append(len(b) - sum(rows[1]))
+    table = np.array(rows)
+    table = table[:, table.sum(axis=0) > 0]
+    return float(chi2_contingency(table)[1])
+
+
+def test_mtp_sampling_is_distributed_as_plain_sampling(model_dir, tokenizer, monkeypatch) -> None:
+    plain = run(_second_and_third_tokens(model_dir, tokenizer, mtp=False, seed0=0))
+    spec = run(_second_and_third_tokens(model_dir, tokenizer, mtp=True, seed0=10**6))
+    for a, b in zip(plain, spec, strict=True):
+        assert _homogeneity_pvalue(a, b) > 1e-3
+
+    # The same test has the power to see a verifier that is not lossless: accept every draft.
+    real_propose = verify.propose
+
+    def accept_all(target, drafts, draft_logprobs, params, rng):
+        c = real_propose(target, drafts, draft_logprobs, params, rng)
+        return verify.Candidates(c.target, mx.ones_like(c.accept), c.correction) if drafts else c
+
+    monkeypatch.setattr("cluster.tail.propose", accept_all)
+    biased = run(_second_and_third_tokens(model_dir, tokenizer, mtp=True, seed0=2 * 10**6))
+    assert _homogeneity_pvalue(plain[0], biased[0]) < 1e-3
