@@ -98,11 +98,12 @@ def generate(
 
 def _register_commands() -> None:
     """Commands that live beside their concern: the node daemon, the planner, conversion."""
+    from coordinator.cli import coordinator_command, status_command, up_command
     from coordinator.plan_cli import plan
     from node.server import node_command
 
-    main.add_command(node_command, "node")
-    main.add_command(plan, "plan")
+    for command in (node_command, plan, coordinator_command, up_command, status_command):
+        main.add_command(command)
     try:
         from cluster.convert import convert_command
     except ImportError:

@@ -1,0 +1,179 @@
+"""`cluster coordinator`, `cluster up` and `cluster status`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+
+from cluster.config import bundled_model_path
+from cluster.local import parse_layers
+from coordinator.service import run_coordinator
+
+NODE_START_TIMEOUT_S = 60.0
+
+
+@click.command("coordinator")
+@click.option("--nodes", default="", help="Static node list HOST:PORT,... (mDNS finds others).")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="Model directory (default: the bundled tiny Qwen3.5).")  # fmt: skip
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--token", envvar="CLUSTER_TOKEN", required=True, help="Cluster secret.")
+@click.option("--layers", default=None, help="Override placement: 0:20,20:40,...")
+@click.option("--all-nodes", is_flag=True, help="Use every node, not the fewest that fit.")
+@click.option("--no-mdns", is_flag=True, help="Only use --nodes; do not browse mDNS.")
+@click.option("--max-running", type=int, default=8, show_default=True)
+@click.option("--max-queued", type=int, default=64, show_default=True)
+def coordinator_command(
+    nodes: str,
+    model_dir: Path | None,
+    host: str,
+    port: int,
+    token: str,
+    layers: str | None,
+    all_nodes: bool,
+    no_mdns: bool,
+    max_running: int,
+    max_queued: int,
+) -> None:
+    """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
+    static = [n for n in nodes.split(",") if n]
+    try:
+        asyncio.run(
+            run_coordinator(
+                model_dir or bundled_model_path(),
+                nodes=static,
+                token=token,
+                host=host,
+                port=port,
+                browse=not no_mdns,
+                layers=parse_layers(layers) if layers else None,
+                use_all=all_nodes,
+                max_running=max_running,
+                max_queued=max_queued,
+            )  # fmt: skip
+        )
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
+    deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    for proc, port in zip(procs, ports, strict=True):
+        while True:
+            if proc.poll() is not None:
+                raise click.ClickException(f"node on port {port} exited with {proc.returncode}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"node on port {port} did not start")
+            time.sleep(0.1)
+
+
+@click.command("up")
+@click.option("--local", "count", type=int, required=True, help="Number of local nodes.")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="Model directory (default: the bundled tiny Qwen3.5).")  # fmt: skip
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--layers", default=None, help="Override placement: 0:3,3:6,6:8.")
+def up_command(count: int, model_dir: Path | None, port: int, layers: str | None) -> None:
+    """N local nodes plus the coordinator on this machine; Ctrl-C stops everything."""
+    if count < 1:
+        raise click.BadParameter("--local needs at least one node")
+    token = os.environ.get("CLUSTER_TOKEN") or secrets.token_hex(16)
+    env = {**os.environ, "CLUSTER_TOKEN": token}
+    ports = [_free_port() for _ in range(count)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cluster",
+                "node",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p),
+                "--node-id",
+                f"local-{i}",
+                "--no-advertise",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        for i, p in enumerate(ports)
+    ]
+    try:
+        _wait_for_nodes(procs, ports)
+        click.echo(f"{count} local node(s) on ports {', '.join(map(str, ports))}")
+        asyncio.run(
+            run_coordinator(
+                model_dir or bundled_model_path(),
+                nodes=[f"127.0.0.1:{p}" for p in ports],
+                token=token,
+                port=port,
+                browse=False,
+                layers=parse_layers(layers) if layers else None,
+                use_all=True,
+            )  # fmt: skip
+        )
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@click.command("status")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+def status_command(url: str) -> None:
+    """Print the cluster table of a running coordinator."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/cluster", timeout=5) as response:
+            data = json.load(response)
+    except (urllib.error.URLError, OSError) as error:
+        raise click.ClickException(f"cannot reach the coordinator at {url}: {error}") from error
+    stats = data.get("stats", {})
+    click.echo(
+        f"model {stats.get('model_id', '?')}  {stats.get('tokens_per_s', 0):.1f} tokens/s  "
+        f"acceptance {stats.get('acceptance_rate', 0):.0%}  "
+        f"in flight {stats.get('requests_in_flight', 0)}"
+    )
+    header = f"{'node':<22} {'address':<22} {'layers':<10} {'role':<10} {'state':<6} "
+    click.echo(header + f"{'memory':>18} {'step ms':>8}")
+    for node in data.get("nodes", []):
+        role = "+".join(r for r in ("head", "tail") if node.get(f"is_{r}")) or "-"
+        layers = f"[{node['start']}, {node['end']})" if node["end"] > node["start"] else "standby"
+        memory = (
+            f"{node['memory_used_bytes'] / 2**30:.1f}/{node['memory_total_bytes'] / 2**30:.1f} GiB"
+        )
+        click.echo(
+            f"{node['node_id']:<22} {node['address']:<22} {layers:<10} {role:<10} "
+            f"{'up' if node['up'] else 'DOWN':<6} {memory:>18} {node['step_latency_ms']:>8.2f}"
+        )
