@@ -103,9 +103,17 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         for keep in [*range(n_confirmed, length), length]:
             piece = slice(begin, keep)
             out, state = gated_delta_update(
-                q[:, piece], k[:, piece], v[:, piece], a[:, piece], b[:, piece],
-                self.A_log, self.dt_bias, state, None, use_kernel=not self.training,
-            )  # fmt: skip
+                q[:, piece],
+                k[:, piece],
+                v[:, piece],
+                a[:, piece],
+                b[:, piece],
+                self.A_log,
+                self.dt_bias,
+                state,
+                None,
+                use_kernel=not self.training,
+            )
             outs.append(out)
             if keep < length:
                 conv = conv_input[:, keep : keep + n_keep]
@@ -157,9 +165,11 @@ class PackedAttention(Attention):
         values = self.v_proj(x).reshape(1, length, self.num_key_value_heads, -1)
         queries = self.q_norm(queries)
         parts = zip(
-            _split(queries, segments), _split(keys, segments), _split(values, segments),
+            _split(queries, segments),
+            _split(keys, segments),
+            _split(values, segments),
             strict=True,
-        )  # fmt: skip
+        )
         mixed = [self._attend(*p, seg, slot) for p, seg in zip(parts, segments, strict=True)]
         return self.o_proj(_join(mixed) * mx.sigmoid(gate.reshape(1, length, -1)))
 

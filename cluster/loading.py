@@ -101,8 +101,9 @@ def load_shard(
     if with_mtp and not index.has_mtp:
         log.warning(
             "%s declares %d MTP layer(s) but ships no mtp.* tensors; decoding without MTP",
-            config.path, config.mtp_layers,
-        )  # fmt: skip
+            config.path,
+            config.mtp_layers,
+        )
         with_mtp = False
     shard = ModelShard(config, spec, with_mtp=with_mtp)
     wanted = dict(tree_flatten(shard.parameters()))
@@ -160,8 +161,11 @@ def _is_wanted(name: str, wanted: set[str]) -> bool:
     module = name.rsplit(".", 1)[0]
     if f"{module}.weight" in wanted:  # quantization's scales/biases beside a weight
         return True
-    fused = re.sub(r"\.experts\.(\d+\.)?(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$",
-                   ".switch_mlp.gate_proj.weight", name)  # fmt: skip
+    fused = re.sub(
+        r"\.experts\.(\d+\.)?(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$",
+        ".switch_mlp.gate_proj.weight",
+        name,
+    )
     return fused in wanted
 
 

@@ -116,8 +116,9 @@ class PlacementPlan:
         """A fixed-width table of the stages, for `cluster plan` and the logs."""
         rows = [_TABLE_HEADER, *(_table_row(i, s) for i, s in enumerate(self.stages))]
         widths = [max(len(row[c]) for row in rows) for c in range(len(_TABLE_HEADER))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-                 for row in rows]  # fmt: skip
+        lines = [
+            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(
             f"bottleneck {self.bottleneck_time * 1e3:.3f} ms/step, "
@@ -128,8 +129,17 @@ class PlacementPlan:
 
 
 _TABLE_HEADER = (
-    "stage", "node", "address", "layers", "role", "weights", "cache", "free", "used", "ms/step"
-)  # fmt: skip
+    "stage",
+    "node",
+    "address",
+    "layers",
+    "role",
+    "weights",
+    "cache",
+    "free",
+    "used",
+    "ms/step",
+)
 
 
 def _table_row(index: int, s: PlacementStage) -> tuple[str, ...]:

@@ -27,8 +27,13 @@ NODE_START_TIMEOUT_S = 60.0
 
 @click.command("coordinator")
 @click.option("--nodes", default="", help="Static node list HOST:PORT,... (mDNS finds others).")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="Model directory (default: the bundled tiny Qwen3.5).")  # fmt: skip
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory (default: the bundled tiny Qwen3.5).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--token", envvar="CLUSTER_TOKEN", required=True, help="Cluster secret.")
@@ -64,7 +69,7 @@ def coordinator_command(
                 use_all=all_nodes,
                 max_running=max_running,
                 max_queued=max_queued,
-            )  # fmt: skip
+            )
         )
     except KeyboardInterrupt:
         pass
@@ -93,8 +98,13 @@ def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
 
 @click.command("up")
 @click.option("--local", "count", type=int, required=True, help="Number of local nodes.")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="Model directory (default: the bundled tiny Qwen3.5).")  # fmt: skip
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory (default: the bundled tiny Qwen3.5).",
+)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--layers", default=None, help="Override placement: 0:3,3:6,6:8.")
 def up_command(count: int, model_dir: Path | None, port: int, layers: str | None) -> None:
@@ -121,7 +131,7 @@ def up_command(count: int, model_dir: Path | None, port: int, layers: str | None
             ],
             env=env,
             stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         for i, p in enumerate(ports)
     ]
     try:
@@ -136,7 +146,7 @@ def up_command(count: int, model_dir: Path | None, port: int, layers: str | None
                 browse=False,
                 layers=parse_layers(layers) if layers else None,
                 use_all=True,
-            )  # fmt: skip
+            )
         )
     except KeyboardInterrupt:
         pass

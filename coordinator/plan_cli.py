@@ -64,14 +64,30 @@ def parse_layers(spec: str) -> list[tuple[int, int]]:
     help="A node: free memory in GiB, memory bandwidth in GB/s "
     f"(default {DEFAULT_BANDWIDTH_GBPS:g}). Repeat for each node.",
 )
-@click.option("--context", "context_tokens", type=click.IntRange(min=1), default=DEFAULT_CONTEXT,
-              show_default=True, help="Tokens of context budgeted per request.")  # fmt: skip
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Requests served at once, each with its own caches.")  # fmt: skip
-@click.option("--layers", "layers_spec", metavar="START:END,...",
-              help="Fix the split: one half-open range per --node, in order.")  # fmt: skip
-@click.option("--all-nodes", "use_all", is_flag=True,
-              help="Use every node, not only the fewest that fit.")  # fmt: skip
+@click.option(
+    "--context",
+    "context_tokens",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CONTEXT,
+    show_default=True,
+    help="Tokens of context budgeted per request.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Requests served at once, each with its own caches.",
+)
+@click.option(
+    "--layers",
+    "layers_spec",
+    metavar="START:END,...",
+    help="Fix the split: one half-open range per --node, in order.",
+)
+@click.option(
+    "--all-nodes", "use_all", is_flag=True, help="Use every node, not only the fewest that fit."
+)
 def plan(
     model_dir: Path,
     node_specs: tuple[str, ...],

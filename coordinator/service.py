@@ -144,15 +144,22 @@ class Coordinator:
             raise NodeUnavailable(f"{len(nodes)} node(s) answer, --layers needs {len(self.layers)}")
         nodes = nodes[: len(self.layers)] if self.layers else nodes
         plan = plan_placement(
-            nodes, self.footprint, context_tokens=self.context_tokens,
-            concurrency=self.concurrency, layers=self.layers, use_all=self.use_all,
-        )  # fmt: skip
+            nodes,
+            self.footprint,
+            context_tokens=self.context_tokens,
+            concurrency=self.concurrency,
+            layers=self.layers,
+            use_all=self.use_all,
+        )
         addresses = [stage.address for stage in plan.stages]
         ranges = [(stage.start, stage.end) for stage in plan.stages]
         pipeline = await load_pipeline(
-            self.model_dir, addresses, token=self.token, ranges=ranges,
+            self.model_dir,
+            addresses,
+            token=self.token,
+            ranges=ranges,
             node_model_dir=self.node_model_dir,
-        )  # fmt: skip
+        )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         if self.engine is None:
             self.engine = MeteredEngine(GenerationEngine(pipeline))
@@ -200,8 +207,11 @@ class Coordinator:
         stages = self.plan.stages if self.plan else []
         for stage in stages:
             placed.add(stage.address)
-            statuses.append(self._status(stage.address, now, stage.start, stage.end,
-                                         stage.is_head, stage.is_tail))  # fmt: skip
+            statuses.append(
+                self._status(
+                    stage.address, now, stage.start, stage.end, stage.is_head, stage.is_tail
+                )
+            )
         for node in self.directory.nodes():  # standby nodes: found, not in the pipeline
             if node.address not in placed:
                 statuses.append(self._status(node.address, now, 0, 0, False, False))
@@ -214,12 +224,19 @@ class Coordinator:
         info = heard.info or pb.NodeInfo(node_id=address)
         up = heard.at > 0 and now - heard.at < DOWN_AFTER_S
         return NodeStatus(
-            node_id=info.node_id, address=address, start=start, end=end,
-            is_head=is_head, is_tail=is_tail, up=up,
+            node_id=info.node_id,
+            address=address,
+            start=start,
+            end=end,
+            is_head=is_head,
+            is_tail=is_tail,
+            up=up,
             last_heartbeat_s=now - heard.at if heard.at else float("inf"),
-            memory_used_bytes=info.memory_used_bytes, memory_total_bytes=info.memory_total_bytes,
-            step_latency_ms=info.step_latency_ms, device=info.device,
-        )  # fmt: skip
+            memory_used_bytes=info.memory_used_bytes,
+            memory_total_bytes=info.memory_total_bytes,
+            step_latency_ms=info.step_latency_ms,
+            device=info.device,
+        )
 
     def stats(self) -> ClusterStats:
         engine = self.engine
@@ -252,17 +269,25 @@ async def run_coordinator(
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     directory = NodeDirectory(nodes, browse=browse)
     coordinator = Coordinator(
-        model_dir, directory, token=token, layers=layers, use_all=use_all,
+        model_dir,
+        directory,
+        token=token,
+        layers=layers,
+        use_all=use_all,
         concurrency=max_running,
-    )  # fmt: skip
+    )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()
     app = create_app(
-        coordinator.engine, tokenizer, coordinator, model_id=model_dir.name,
-        admission=AdmissionController(max_running=max_running, max_queued=max_queued,
-                                      queue_timeout_s=60.0),
+        coordinator.engine,
+        tokenizer,
+        coordinator,
+        model_id=model_dir.name,
+        admission=AdmissionController(
+            max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
+        ),
         counters=coordinator.counters,
-    )  # fmt: skip
+    )
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -21,8 +21,12 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 SERVICE_TYPE = "_qwencluster._tcp.local."
 TXT_NODE_ID, TXT_MEMORY, TXT_DEVICE, TXT_VERSION, TXT_PORT = (
-    "node_id", "memory", "device", "version", "port"
-)  # fmt: skip
+    "node_id",
+    "memory",
+    "device",
+    "version",
+    "port",
+)
 _MAX_LABEL_BYTES = 63  # DNS label limit, for the instance name
 
 Interfaces = Sequence[str | int] | InterfaceChoice

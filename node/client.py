@@ -247,10 +247,14 @@ async def load_pipeline(
         for i, spec in enumerate(specs):
             request = pb.LoadShardRequest(
                 model_dir=str(node_model_dir or Path(model_dir).resolve()),
-                start=spec.start, end=spec.end, is_head=spec.is_head, is_tail=spec.is_tail,
-                dtype=dtype, next_node=addresses[i + 1] if i + 1 < len(addresses) else "",
+                start=spec.start,
+                end=spec.end,
+                is_head=spec.is_head,
+                is_tail=spec.is_tail,
+                dtype=dtype,
+                next_node=addresses[i + 1] if i + 1 < len(addresses) else "",
                 model_id=Path(model_dir).name,
-            )  # fmt: skip
+            )
             if cache_budget_bytes is not None:
                 request.cache_budget_bytes = cache_budget_bytes
             requests.append(request)

@@ -121,9 +121,12 @@ class NodeService(pb_grpc.NodeServicer):
             runner = ShardRunner(shard, cache_budget_bytes=budget)
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
             self.stage = Stage(
-                runner, self.worker, self.subscribers,
-                next_node=request.next_node or None, token=self.token,
-            )  # fmt: skip
+                runner,
+                self.worker,
+                self.subscribers,
+                next_node=request.next_node or None,
+                token=self.token,
+            )
             self.shard_request = request
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
@@ -196,10 +199,18 @@ class NodeService(pb_grpc.NodeServicer):
         )
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
-            info.shard.CopyFrom(pb.ShardSpec(
-                model_id=r.model_id, model_dir=r.model_dir, start=r.start, end=r.end,
-                is_head=r.is_head, is_tail=r.is_tail, dtype=r.dtype, next_node=r.next_node,
-            ))  # fmt: skip
+            info.shard.CopyFrom(
+                pb.ShardSpec(
+                    model_id=r.model_id,
+                    model_dir=r.model_dir,
+                    start=r.start,
+                    end=r.end,
+                    is_head=r.is_head,
+                    is_tail=r.is_tail,
+                    dtype=r.dtype,
+                    next_node=r.next_node,
+                )
+            )
             info.cache_bytes = runner.cache_bytes
             info.cache_budget_bytes = runner.cache_budget_bytes or 0
             info.active_requests = len(runner.requests)
@@ -230,9 +241,11 @@ async def serve(
     """Run a node until cancelled."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
     service = NodeService(
-        token=token, node_id=node_id, cache_budget_bytes=cache_budget_bytes,
+        token=token,
+        node_id=node_id,
+        cache_budget_bytes=cache_budget_bytes,
         idle_timeout_s=idle_timeout_s,
-    )  # fmt: skip
+    )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -244,9 +257,12 @@ async def serve(
         from node.advertise import NodeAdvertiser
 
         advertiser = NodeAdvertiser(
-            node_id=node_id, port=bound, memory_bytes=total_memory_bytes(),
-            device=device_name(), version=__version__,
-        )  # fmt: skip
+            node_id=node_id,
+            port=bound,
+            memory_bytes=total_memory_bytes(),
+            device=device_name(),
+            version=__version__,
+        )
         await advertiser.start()
     log.info("node %s listening on %s:%d", node_id, host, bound)
     print(f"node {node_id} listening on {host}:{bound}", flush=True)
@@ -266,12 +282,25 @@ async def serve(
 @click.option("--port", type=int, default=50151, show_default=True)
 @click.option("--token", envvar="CLUSTER_TOKEN", required=True, help="Cluster secret.")
 @click.option("--node-id", default=None, help="Name shown in the coordinator.")
-@click.option("--cache-budget-gb", type=float, default=None,
-              help="Memory for request caches on this node (default: unlimited).")  # fmt: skip
-@click.option("--idle-timeout", type=float, default=600.0, show_default=True,
-              help="Seconds after which an idle request's caches are freed.")  # fmt: skip
-@click.option("--advertise/--no-advertise", default=True, show_default=True,
-              help="Announce this node over mDNS (zeroconf).")  # fmt: skip
+@click.option(
+    "--cache-budget-gb",
+    type=float,
+    default=None,
+    help="Memory for request caches on this node (default: unlimited).",
+)
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds after which an idle request's caches are freed.",
+)
+@click.option(
+    "--advertise/--no-advertise",
+    default=True,
+    show_default=True,
+    help="Announce this node over mDNS (zeroconf).",
+)
 def node_command(
     host: str,
     port: int,
@@ -284,8 +313,17 @@ def node_command(
     """Run a node daemon that serves one shard of a model."""
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
     try:
-        asyncio.run(serve(host, port, token, node_id=node_id, cache_budget_bytes=budget,
-                          idle_timeout_s=idle_timeout, advertise=advertise))  # fmt: skip
+        asyncio.run(
+            serve(
+                host,
+                port,
+                token,
+                node_id=node_id,
+                cache_budget_bytes=budget,
+                idle_timeout_s=idle_timeout,
+                advertise=advertise,
+            )
+        )
     except KeyboardInterrupt:
         pass
     except OSError as error:

@@ -46,9 +46,13 @@ def free_port() -> int:
 
 def advertiser(node_id: str, port: int = 50123, memory: int = 123 * 2**30) -> NodeAdvertiser:
     return NodeAdvertiser(
-        node_id, port, memory_bytes=memory, device="cpu-test", version="9.9.9",
+        node_id,
+        port,
+        memory_bytes=memory,
+        device="cpu-test",
+        version="9.9.9",
         interfaces=LOOPBACK,
-    )  # fmt: skip
+    )
 
 
 async def wait_until(condition: Callable[[], bool], what: str) -> None:

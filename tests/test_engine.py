@@ -83,8 +83,10 @@ def test_small_prefill_chunks_give_the_same_tokens(model_dir, prompts, with_mtp)
         engine = GenerationEngine(local.engine.pipeline, prefill_chunk=3)
         try:
             stop = frozenset(local.config.eos_token_ids)
-            return [await engine.generate(GenerationRequest(tuple(p), MAX_TOKENS, stop_tokens=stop))
-                    for p in prompts]  # fmt: skip
+            return [
+                await engine.generate(GenerationRequest(tuple(p), MAX_TOKENS, stop_tokens=stop))
+                for p in prompts
+            ]
         finally:
             local.close()
 

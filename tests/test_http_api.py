@@ -328,14 +328,18 @@ def test_failure_mid_stream_is_an_error_event(served: Served):
     [
         ("POST", "/v1/chat/completions", b"{oops", 400),
         ("POST", "/v1/chat/completions", b'{"messages": [], "model": "qwen3_5-tiny-mtp"}', 400),
-        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-         b'"model": "gpt-5"}', 404),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "model": "gpt-5"}',
+            404,
+        ),
         ("POST", "/v1/completions", b'{"prompt": "x", "top_p": 2}', 400),
         ("POST", "/v1/chat/completions", b'{"messages": "x", "pad": "' + b"x" * 2**21 + b'"}', 413),
         ("GET", "/v1/chat/completions", None, 405),
         ("GET", "/v1/nothing-here", None, 404),
     ],
-)  # fmt: skip
+)
 def test_errors_are_openai_bodies(
     served: Served, method: str, path: str, body: bytes | None, status: int
 ):

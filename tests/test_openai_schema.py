@@ -134,7 +134,7 @@ def test_chat_request_is_parsed_fully():
         n=1,
         logprobs=False,
         presence_penalty=0,  # unknown to us and harmless: ignored
-    )  # fmt: skip
+    )
     chat = parse_chat_request(raw, model_id=MODEL, max_context=CONTEXT)
     assert [(m.role, m.content) for m in chat.messages] == [
         ("system", "be brief"),

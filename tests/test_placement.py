@@ -290,8 +290,12 @@ def brute_force(
 def test_matches_brute_force_on_uniform_layers(seed: int) -> None:
     rng = random.Random(seed)
     n_layers = rng.randint(2, 7)
-    m = model(n_layers, embed=rng.randint(0, 3) * MB, lm_head=rng.randint(0, 3) * MB,
-              mtp=rng.choice([0, MB]))  # fmt: skip
+    m = model(
+        n_layers,
+        embed=rng.randint(0, 3) * MB,
+        lm_head=rng.randint(0, 3) * MB,
+        mtp=rng.choice([0, MB]),
+    )
     nodes = [
         node(f"n{i}", rng.randint(2, 9) * MB, rng.choice([50.0, 100.0, 200.0, 400.0]))
         for i in range(rng.randint(1, 4))
