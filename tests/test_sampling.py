@@ -37,11 +37,11 @@ def test_filters() -> None:
 def test_seeded_sampling_replays() -> None:
     logits = mx.random.normal((1, 100), key=mx.random.key(3))
     params = SamplingParams(1.0, seed=7)
-    draw = lambda: [
-        sample(log_probs(logits, params), params, r).item()  # noqa: E731
-        for r in [RequestRandom(7)]
-        for _ in range(20)
-    ]
+
+    def draw() -> list[int]:
+        rng = RequestRandom(7)
+        return [sample(log_probs(logits, params), params, rng).item() for _ in range(20)]
+
     assert draw() == draw()
 
 
