@@ -135,6 +135,7 @@ class Stage:
         self.stats = StageStats()
         self._inbound: deque[_Inbound] = deque()
         self._wakeup = asyncio.Event()
+        self._event_loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop())
 
     def accept(self, message: pb.StepBatch, reply: Reply) -> None:
@@ -211,7 +212,9 @@ class Stage:
                 self._check_hidden(entries, h)
             except (WireError, RequestError) as error:
                 code = status_of(error)
-                item.reply(pb.StepEvent(sequence=item.message.sequence))
+                # Answer on the sender's own stream too (from this worker thread, safely).
+                event = pb.StepEvent(sequence=item.message.sequence)
+                self._event_loop.call_soon_threadsafe(item.reply, event)
                 errors += [(rid, code, str(error)) for rid in item.request_ids]
                 continue
             steps += entries

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
 from conftest import CODE_PROMPTS, run
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
@@ -111,3 +113,35 @@ def test_bad_generation_requests_are_refused() -> None:
         GenerationRequest((), 8)
     with pytest.raises(RequestError, match="max_tokens"):
         GenerationRequest((1, 2), 0)
+
+
+@pytest.mark.parametrize(
+    ("mtp_experts", "tied"), [("per_expert", False), ("fused", False), ("per_expert", True)]
+)
+def test_moe_checkpoint_greedy_identity(tmp_path, mtp_experts: str, tied: bool) -> None:  # noqa: ANN001
+    """MoE in both MTP-expert layouts (and tied embeddings): MTP on == MTP off == mlx-lm."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts=mtp_experts,
+                           tie_word_embeddings=tied)  # fmt: skip
+    prompts = [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    plain = run(_generate_all(path, prompts, mtp=False))
+    spec = run(_generate_all(path, prompts, mtp=True))
+    split = run(_generate_all(path, prompts, mtp=True, ranges=[(0, 1), (1, 4)]))
+    assert [o.tokens for o in plain] == [o.tokens for o in spec] == [o.tokens for o in split]
+    assert sum(o.drafted for o in spec) > 0
+    model, tokenizer = mlx_lm_load(str(path))
+    _experts_in_float32(model)  # as our loader does on the CPU backend
+    for prompt, ours in zip(prompts, plain, strict=True):
+        out = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)]
+        assert list(ours.tokens) == out[: len(ours.tokens)]
+
+
+def _experts_in_float32(model) -> None:  # noqa: ANN001
+    """MLX's CPU gather_mm (the MoE experts) supports float32 only."""
+    if mx.default_device() != mx.cpu:
+        return
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "switch_mlp", None)
+        if experts is not None:
+            experts.update(tree_map(lambda a: a.astype(mx.float32), experts.parameters()))
