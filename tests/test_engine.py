@@ -6,8 +6,8 @@ import asyncio
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
 from conftest import CODE_PROMPTS, run
+from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
 
@@ -118,7 +118,7 @@ def test_bad_generation_requests_are_refused() -> None:
 @pytest.mark.parametrize(
     ("mtp_experts", "tied"), [("per_expert", False), ("fused", False), ("per_expert", True)]
 )
-def test_moe_checkpoint_greedy_identity(tmp_path, mtp_experts: str, tied: bool) -> None:  # noqa: ANN001
+def test_moe_checkpoint_greedy_identity(tmp_path, mtp_experts: str, tied: bool) -> None:
     """MoE in both MTP-expert layouts (and tied embeddings): MTP on == MTP off == mlx-lm."""
     from checkpoints import make_checkpoint
 
@@ -137,7 +137,7 @@ def test_moe_checkpoint_greedy_identity(tmp_path, mtp_experts: str, tied: bool) 
         assert list(ours.tokens) == out[: len(ours.tokens)]
 
 
-def _experts_in_float32(model) -> None:  # noqa: ANN001
+def _experts_in_float32(model) -> None:
     """MLX's CPU gather_mm (the MoE experts) supports float32 only."""
     if mx.default_device() != mx.cpu:
         return

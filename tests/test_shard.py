@@ -1,0 +1,54 @@
+"""Shards run one after another give the whole model's logits (and mlx-lm's)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import CODE_PROMPTS
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+
+from cluster.cache import RequestCache
+from cluster.layers import Segment
+from cluster.loading import load_shard
+from cluster.shard import ModelShard, ShardSpec
+
+
+def _logits(shards: list[ModelShard], tokens: list[int]) -> np.ndarray:
+    x = shards[0].embed(mx.array(tokens)[None])
+    for shard in shards:
+        cache = RequestCache.for_layers(shard.linear_flags)
+        x = shard(x, [Segment(cache, len(tokens), len(tokens))])
+    tail = shards[-1]
+    return np.array(tail.logits(tail.norm(x)).astype(mx.float32))
+
+
+@pytest.mark.parametrize("split", [[(0, 3), (3, 8)], [(0, 1), (1, 4), (4, 8)]])
+def test_split_shards_give_the_whole_models_logits(model_dir, tokenizer, split) -> None:
+    tokens = tokenizer.encode(CODE_PROMPTS[2])
+    whole = _logits([load_shard(model_dir)], tokens)
+    last = len(split) - 1
+    shards = [
+        load_shard(model_dir, ShardSpec(s, e, i == 0, i == last)) for i, (s, e) in enumerate(split)
+    ]
+    np.testing.assert_array_equal(_logits(shards, tokens), whole)
+
+    model, _ = mlx_lm_load(str(model_dir))
+    theirs = np.array(model(mx.array(tokens)[None]).astype(mx.float32))
+    np.testing.assert_allclose(whole, theirs, atol=1e-2, rtol=1e-2)
+    assert (whole.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_middle_shard_holds_only_its_layers(model_dir) -> None:
+    middle = load_shard(model_dir, ShardSpec(3, 5, False, False))
+    names = set(dict(tree_flatten(middle.parameters())))
+    assert all(n.startswith(("layers.0.", "layers.1.")) for n in names)
+    assert not hasattr(middle, "embed_tokens") and not hasattr(middle, "mtp")
+
+
+def test_layer_range_beyond_the_model_is_refused(model_dir) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's 8 layers"):
+        load_shard(model_dir, ShardSpec(6, 9, False, True))
+    with pytest.raises(ValueError, match="invalid layer range"):
+        ShardSpec(3, 3, True, False)
