@@ -37,6 +37,14 @@ class NodeUnavailable(ConnectionError):
     """A node that cannot be reached or stopped answering (the message names it)."""
 
 
+class NodeRequestError(RequestError):
+    """A node's refusal of one request; `code` is the gRPC status the node gave it."""
+
+    def __init__(self, message: str, code: grpc.StatusCode):
+        super().__init__(message)
+        self.code = code
+
+
 class NodeClient:
     """Unary calls to one node, each with the cluster token and a deadline."""
 
@@ -102,6 +110,7 @@ class RemotePipeline:
         self._send_lock = asyncio.Lock()
         self._head_call: grpc.aio.StreamStreamCall | None = None
         self._tasks: list[asyncio.Task] = []
+        self._releases: set[asyncio.Task] = set()
         self.failure: NodeUnavailable | None = None
         self.messages_sent = 0
 
@@ -112,17 +121,27 @@ class RemotePipeline:
     async def start(self) -> None:
         head = self.clients[0]
         self._head_call = head.stub.Steps(metadata=head.metadata)
-        for client in self.clients:
-            call = client.stub.Results(pb.ResultsRequest(), metadata=client.metadata)
+        calls = [c.stub.Results(pb.ResultsRequest(), metadata=c.metadata) for c in self.clients]
+        for client, call in zip(self.clients, calls, strict=True):
             self._tasks.append(asyncio.create_task(self._listen(client, call)))
             self._tasks.append(asyncio.create_task(self._heartbeat(client)))
+        # A node answers Results once its subscription is in place; until then a result that
+        # the tail publishes would be lost (and its request would wait forever).
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(call.wait_for_connection() for call in calls)), RPC_TIMEOUT_S
+            )
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._releases]
+        for task in tasks:
             task.cancel()
         if self._head_call is not None:
             self._head_call.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for client in self.clients:
             await client.close()
 
@@ -147,6 +166,14 @@ class RemotePipeline:
     async def release(self, request_id: str) -> None:
         for future in self._pending.pop(request_id, ()):
             future.cancel()
+        releasing = asyncio.ensure_future(self._release(request_id))
+        if self.failure is None:
+            await releasing
+        else:  # a silent node would hold the caller's error back until the release's deadline
+            self._releases.add(releasing)
+            releasing.add_done_callback(self._releases.discard)
+
+    async def _release(self, request_id: str) -> None:
         results = await asyncio.gather(
             *(client.release(request_id) for client in self.clients), return_exceptions=True
         )
@@ -163,7 +190,7 @@ class RemotePipeline:
                 for result in results:
                     self._resolve(result.request_id, result=result)
                 for request_id, code, message in errors:
-                    error = RequestError(f"node {client.describe()}: {message}")
+                    error = NodeRequestError(f"node {client.describe()}: {message}", code)
                     if code == grpc.StatusCode.UNAVAILABLE:
                         error = NodeUnavailable(message)
                     self._resolve(request_id, error=error)

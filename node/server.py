@@ -156,6 +156,8 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> AsyncIterator[pb.ResultBatch]:
         queue = self.subscribers.add()
         try:
+            # Headers now tell the subscriber it is registered: nothing published later is lost.
+            await context.send_initial_metadata(())
             while True:
                 yield await queue.get()
         finally:
@@ -166,6 +168,10 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.ReleaseReply:
         stage = await self._require_stage(context)
         released = await self.worker.run(stage.runner.release, request.request_id)
+        if not released:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown request id {request.request_id!r}"
+            )
         return pb.ReleaseReply(released=released)
 
     async def Rollback(

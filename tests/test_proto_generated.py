@@ -38,3 +38,19 @@ def test_generated_modules_import_from_the_package():
         "Release": (False, False),
         "Rollback": (False, False),
     }
+
+
+def test_presence_where_zero_means_something():
+    from proto import cluster_pb2 as pb
+
+    def wire(msg):
+        return type(msg).FromString(msg.SerializeToString())
+
+    assert not wire(pb.LoadShardRequest(model_dir="/m")).HasField("cache_budget_bytes")
+    assert wire(pb.LoadShardRequest(cache_budget_bytes=0)).HasField("cache_budget_bytes")
+    assert not wire(pb.NodeInfo(node_id="n")).HasField("shard")
+    assert wire(pb.NodeInfo(shard=pb.ShardSpec(start=0, end=0))).HasField("shard")
+    assert wire(pb.SamplingParams(temperature=0.0)).HasField("temperature")
+    assert wire(pb.ResultEntry(draft=0)).HasField("draft")
+    assert wire(pb.StepEntry(sample=False)).HasField("sample")
+    assert not wire(pb.StepBatch()).HasField("hidden")

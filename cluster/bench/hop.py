@@ -1,6 +1,6 @@
 """The cost of one pipeline hop on loopback, by framing: which one the step stream should use.
 
-    python -m cluster.bench.hop --json out.json [--rounds 6 --iters 500] [--ablate]
+    python -m cluster.bench.hop --json out.json [--rounds 6 --iters 500] [--ablate] [--uvloop]
 
 An echo server runs in a child process (a node is its own process); the client sends a
 decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
@@ -11,11 +11,14 @@ is half the round trip, and each way does a hop's real work:
   msgpack  the same stream and work, the step framed with msgpack inside a bytes field
   grpc     grpc.aio bidi stream echoing raw bytes (the serialized step), no codec
   tcp      asyncio TCP echo of the same bytes, length-prefixed, no codec
+  tcp+proto  the proto variant's work over that TCP framing instead of gRPC
   codec    `cluster.wire` encode + decode of the step alone, no network (per hop)
 
 Every variant runs on its own long-lived stream and all are timed in interleaved rounds, so
 background load hits them alike. `--ablate` also times the proto stream under gRPC defaults
-and with each tuned option left out or one added (a server process per setting).
+and with each tuned option left out or one added (a server process per setting; gRPC may log
+the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR quiets it). On a many-core machine, pin
+the run to two cores (`taskset -c 2,3`) to time the transports rather than idle-core wakeups.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class Row:
 # ---- the step and its two codecs ----
 
 
-def decode_step(shape: tuple[int, ...]) -> tuple[list[StepRequest], mx.array]:
+def decode_size_step(shape: tuple[int, ...]) -> tuple[list[StepRequest], mx.array]:
     entries = [StepRequest("chatcmpl-0123456789abcdef", (151_643, 9_707), 1234, draft_len=1)]
     hidden = mx.random.normal(shape, key=mx.random.key(0)).astype(mx.bfloat16)
     mx.eval(hidden)
@@ -74,6 +77,7 @@ def decode_step(shape: tuple[int, ...]) -> tuple[list[StepRequest], mx.array]:
 
 
 def msgpack_encode(entries: list[StepRequest], hidden: mx.array, sequence: int) -> bytes:
+    """A minimal rival codec: positional lists, bf16 only, no options, no checks."""
     steps = [
         [e.request_id, e.tokens, e.position, e.draft_len, e.rollback, e.sample] for e in entries
     ]
@@ -121,6 +125,11 @@ _HANDLERS = {
     ),
     "grpc": (lambda b: b, None, None),
 }
+# TCP echoes of whole frames
+_TCP_ECHOES: dict[str, Callable[[bytes], bytes]] = {
+    "tcp": lambda b: b,
+    "tcp+proto": lambda b: _proto_echo(pb.StepBatch.FromString(b)).SerializeToString(),
+}
 
 
 # ---- the echo server (child process) ----
@@ -134,13 +143,17 @@ def _stream_handler(echo: Callable) -> Callable:
     return handle
 
 
-async def _tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while True:
-            header = await reader.readexactly(_LEN.size)
-            writer.write(header + await reader.readexactly(_LEN.unpack(header)[0]))
-    except asyncio.IncompleteReadError:
-        writer.close()
+def _tcp_handler(echo: Callable[[bytes], bytes]) -> Callable:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+                reply = echo(await reader.readexactly(size))
+                writer.write(_LEN.pack(len(reply)) + reply)
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    return handle
 
 
 async def _serve(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
@@ -150,31 +163,49 @@ async def _serve(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
     }
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Hop", handlers)])
-    grpc_port = server.add_insecure_port("127.0.0.1:0")
-    tcp = await asyncio.start_server(_tcp_echo, "127.0.0.1", 0)
+    port = {"grpc": server.add_insecure_port("127.0.0.1:0")}
+    tcp = {
+        v: await asyncio.start_server(_tcp_handler(e), "127.0.0.1", 0)
+        for v, e in _TCP_ECHOES.items()
+    }
+    port |= {v: s.sockets[0].getsockname()[1] for v, s in tcp.items()}
     await server.start()
-    ports.put((grpc_port, tcp.sockets[0].getsockname()[1]))
+    ports.put(port)
     try:
         while not stop.is_set():
             await asyncio.sleep(0.05)
     finally:
-        tcp.close()
+        for s in tcp.values():
+            s.close()
         await server.stop(None)
 
 
-def _server_main(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
-    asyncio.run(_serve(options, ports, stop))
+def run_loop(coro, use_uvloop: bool = False):
+    """asyncio.run, on uvloop's event loop if asked (it must be installed)."""
+    factory = None
+    if use_uvloop:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def _server_main(options: Options, use_uvloop: bool, ports: mp.Queue, stop: mp.Event) -> None:
+    run_loop(_serve(options, ports, stop), use_uvloop)
 
 
 class EchoServer:
     """The echo server in a child process, started and stopped as a context manager."""
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, use_uvloop: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self._ports, self._stop = ctx.Queue(), ctx.Event()
-        self._proc = ctx.Process(target=_server_main, args=(options, self._ports, self._stop))
+        self._proc = ctx.Process(
+            target=_server_main, args=(options, use_uvloop, self._ports, self._stop)
+        )
 
-    def __enter__(self) -> tuple[int, int]:
+    def __enter__(self) -> dict[str, int]:
         self._proc.start()
         return self._ports.get(timeout=60)
 
@@ -228,10 +259,19 @@ class _Stream:
 
 
 class _Tcp:
-    """asyncio TCP, length-prefixed frames, TCP_NODELAY."""
+    """asyncio TCP, length-prefixed frames, TCP_NODELAY; raw bytes or protobuf StepBatch."""
 
-    def __init__(self, payload: bytes) -> None:
-        self._frame = _LEN.pack(len(payload)) + payload
+    def __init__(self, variant: str, step) -> None:
+        entries, hidden = step
+        payload = wire.step_batch_to_proto(entries, hidden, 0).SerializeToString()
+        codecs = {
+            "tcp": (lambda i: payload, lambda b: b),
+            "tcp+proto": (
+                lambda i: wire.step_batch_to_proto(entries, hidden, i).SerializeToString(),
+                lambda b: wire.step_batch_from_proto(pb.StepBatch.FromString(b)),
+            ),
+        }
+        self._encode, self._decode = codecs[variant]
 
     async def open(self, port: int) -> _Tcp:
         self._reader, self._writer = await asyncio.open_connection("127.0.0.1", port)
@@ -239,8 +279,10 @@ class _Tcp:
         return self
 
     async def round_trip(self, i: int) -> None:
-        self._writer.write(self._frame)
-        await self._reader.readexactly(len(self._frame))
+        payload = self._encode(i)
+        self._writer.write(_LEN.pack(len(payload)) + payload)
+        (size,) = _LEN.unpack(await self._reader.readexactly(_LEN.size))
+        self._decode(await self._reader.readexactly(size))
 
     async def close(self) -> None:
         self._writer.close()
@@ -271,26 +313,31 @@ async def _time(probe, iters: int) -> list[int]:
 
 
 async def measure(
-    setups: list[Setup], variants: list[str], shapes, rounds: int, iters: int, warmup: int
+    setups: list[Setup],
+    variants: list[str],
+    shapes,
+    rounds: int,
+    iters: int,
+    warmup: int,
+    use_uvloop: bool = False,
 ) -> list[Row]:
     """Every (setup, variant, shape) on its own stream, timed in interleaved rounds.
 
     Interleaving spreads the machine's background load evenly over what is compared.
     """
-    steps = {shape: decode_step(shape) for shape in shapes}
+    steps = {shape: decode_size_step(shape) for shape in shapes}
     with contextlib.ExitStack() as servers:
-        ports = [servers.enter_context(EchoServer(s.server)) for s in setups]
+        ports = [servers.enter_context(EchoServer(s.server, use_uvloop)) for s in setups]
         async with contextlib.AsyncExitStack() as stack:
             probes = {}
-            for setup, (grpc_port, tcp_port) in zip(setups, ports, strict=True):
-                ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=setup.channel)
+            for setup, port in zip(setups, ports, strict=True):
+                ch = grpc.aio.insecure_channel(f"127.0.0.1:{port['grpc']}", options=setup.channel)
                 await stack.enter_async_context(ch)
                 await asyncio.wait_for(ch.channel_ready(), 30)
                 for v, shape in itertools.product(variants, shapes):
                     step = steps[shape]
-                    if v == "tcp":
-                        payload = wire.step_batch_to_proto(*step, 0).SerializeToString()
-                        probe = await _Tcp(payload).open(tcp_port)
+                    if v in _TCP_ECHOES:
+                        probe = await _Tcp(v, step).open(port[v])
                     elif v == "codec":
                         probe = _Codec(step)
                     else:
@@ -350,15 +397,35 @@ def ablation_setups() -> list[Setup]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'options':<44} {'variant':<8} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
+        f"{'options':<44} {'variant':<9} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.options:<44} {r.variant:<8} {r.shape:<9} {r.payload_bytes:>6} "
+            f"{r.options:<44} {r.variant:<9} {r.shape:<9} {r.payload_bytes:>6} "
             f"{r.median_us:>9.1f} {r.p90_us:>7.1f}"
         )
     return "\n".join(lines)
+
+
+def _report(tuned: Setup, timing, loop: str, rows: list[Row], ablation: list[Row]) -> dict:
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "grpc": grpc.__version__,
+            "cpus": os.cpu_count(),
+            "affinity": sorted(affinity) if affinity else None,
+            "load_average": os.getloadavg(),
+            "event_loop": loop,
+        },
+        "timing": dict(zip(("rounds", "iters", "warmup"), timing, strict=True)),
+        "server_options": tuned.server,
+        "channel_options": tuned.channel,
+        "rows": [asdict(r) for r in rows],
+        "ablation": [asdict(r) for r in ablation],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,39 +439,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=500, help="round trips per round")
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--ablate", action="store_true", help="also time each gRPC option")
+    parser.add_argument("--uvloop", action="store_true", help="run both ends on uvloop")
     args = parser.parse_args(argv)
     mx.set_default_device(mx.cpu)
     timing = (args.rounds, args.iters, args.warmup)
 
     tuned = Setup("tuned", wire.grpc_server_options(), wire.grpc_channel_options())
-    variants = ["proto", "msgpack", "grpc", "tcp", "codec"]
-    rows = asyncio.run(measure([tuned], variants, SHAPES, *timing))
-    print("one way (round trip / 2) on loopback, microseconds")
+    variants = ["proto", "msgpack", "grpc", "tcp", "tcp+proto", "codec"]
+    rows = run_loop(measure([tuned], variants, SHAPES, *timing, args.uvloop), args.uvloop)
+    loop = "uvloop" if args.uvloop else "asyncio"
+    print(f"one way (round trip / 2) on loopback, {loop} event loop, microseconds")
     print(_table(rows))
 
     ablation = []
     if args.ablate:
-        ablation = asyncio.run(measure(ablation_setups(), ["proto"], SHAPES[:1], *timing))
+        setups = ablation_setups()
+        ablation = run_loop(
+            measure(setups, ["proto"], SHAPES[:1], *timing, args.uvloop), args.uvloop
+        )
         print("\nthe proto stream by gRPC options")
         print(_table(ablation))
 
     if args.json:
-        report = {
-            "machine": {
-                "platform": platform.platform(),
-                "python": sys.version.split()[0],
-                "grpc": grpc.__version__,
-                "cpus": os.cpu_count(),
-                "load_average": os.getloadavg(),
-            },
-            "timing": dict(zip(("rounds", "iters", "warmup"), timing, strict=True)),
-            "server_options": tuned.server,
-            "channel_options": tuned.channel,
-            "rows": [asdict(r) for r in rows],
-            "ablation": [asdict(r) for r in ablation],
-        }
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(_report(tuned, timing, loop, rows, ablation), f, indent=2)
     return 0
 
 
