@@ -111,7 +111,7 @@ def load_shard(
     if config.quantization:
         _quantize_like_checkpoint(shard, weights, config)
         wanted = dict(tree_flatten(shard.parameters()))
-    _check_complete(wanted, weights, config.path)
+    _check_complete(wanted, weights, config.path, spec)
     weights = {k: _cast(k, v, dtype, config) for k, v in weights.items()}
     shard.load_weights(list(weights.items()), strict=True)
     shard.eval()
@@ -139,7 +139,7 @@ def _read_weights(
         for name in file_names:
             weights[name] = tensors[names[name]]
     if index.raw_hf:
-        weights = _from_hf_layout(weights)
+        weights = _from_hf_layout(weights, config.text.num_experts)
     return weights
 
 
@@ -169,7 +169,7 @@ def _is_wanted(name: str, wanted: set[str]) -> bool:
     return fused in wanted
 
 
-def _from_hf_layout(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def _from_hf_layout(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     experts: dict[tuple[str, str], dict[int, mx.array]] = {}
     for name, value in weights.items():
@@ -191,11 +191,11 @@ def _from_hf_layout(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         else:
             out[name] = value
     for (prefix, proj), per_expert in experts.items():
-        if sorted(per_expert) != list(range(len(per_expert))):
-            missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
+        missing = sorted(set(range(num_experts)) - set(per_expert))
+        if missing:
             raise MissingTensorError(f"{prefix}.experts.{missing[0]}.{proj}.weight is missing")
         out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack(
-            [per_expert[e] for e in range(len(per_expert))]
+            [per_expert[e] for e in range(num_experts)]
         )
     return out
 
@@ -206,9 +206,9 @@ def _quantize_like_checkpoint(
     """Quantize exactly the modules the checkpoint stores quantized (as mlx-lm's loader)."""
     q = config.quantization or {}
     overrides = {
-        _override_name(path, shard.spec): value
+        name: value
         for path, value in q.items()
-        if isinstance(value, dict)
+        if isinstance(value, dict) and (name := _override_name(path, shard.spec)) is not None
     }
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
@@ -225,25 +225,36 @@ def _quantize_like_checkpoint(
     )
 
 
-def _override_name(path: str, spec: ShardSpec) -> str:
-    name = path.removeprefix("language_model.").removeprefix("model.")
-    return _local_layer_name(name, spec) or name
+def _override_name(path: str, spec: ShardSpec) -> str | None:
+    """A quantization override's module path in the shard (None: another shard's layer)."""
+    return _local_layer_name(path.removeprefix("language_model.").removeprefix("model."), spec)
 
 
-def _check_complete(wanted: dict[str, mx.array], weights: dict[str, mx.array], where: Path) -> None:
+def _global_name(name: str, spec: ShardSpec) -> str:
+    """A shard-local parameter name as the model knows it (layer index over the whole model)."""
+    match = _LAYER.match(name)
+    return f"layers.{int(match.group(1)) + spec.start}.{match.group(2)}" if match else name
+
+
+def _check_complete(
+    wanted: dict[str, mx.array], weights: dict[str, mx.array], where: Path, spec: ShardSpec
+) -> None:
     missing = sorted(set(wanted) - set(weights))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise MissingTensorError(f"{where} lacks tensor {missing[0]!r}{more}")
+        raise MissingTensorError(f"{where} lacks tensor {_global_name(missing[0], spec)!r}{more}")
     for name, param in wanted.items():
         if weights[name].shape != param.shape:
             raise ModelDirError(
-                f"{where}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                f"{where}: tensor {_global_name(name, spec)!r} has shape "
+                f"{tuple(weights[name].shape)}, "
                 f"expected {tuple(param.shape)}"
             )
     extra = sorted(set(weights) - set(wanted))
     if extra:
-        raise ModelDirError(f"{where}: unexpected tensor {extra[0]!r} for this model")
+        raise ModelDirError(
+            f"{where}: unexpected tensor {_global_name(extra[0], spec)!r} for this model"
+        )
 
 
 def _cast(name: str, value: mx.array, dtype: mx.Dtype | None, config: ModelConfig) -> mx.array:

@@ -211,9 +211,6 @@ def test_missing_mtp_tensor_is_named(tmp_path: Path, key: str) -> None:
         load_shard(ckpt)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="loading.py: the last expert's absence reads as a shape error"
-)
 def test_missing_last_mtp_expert_is_named(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path, moe=True)
     rewrite(ckpt, "mtp.layers.0.mlp.experts.3.down_proj.weight", None)
@@ -229,7 +226,6 @@ def test_missing_layer_tensor_is_named(tmp_path: Path) -> None:
     load_shard(ckpt, spec(3, 4, 4))  # a shard without that layer does not need it
 
 
-@pytest.mark.xfail(strict=True, reason="loading.py names the shard-local layer index")
 def test_missing_layer_tensor_is_named_by_its_model_layer_on_a_shard(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path, moe=False)
     rewrite(ckpt, "model.language_model.layers.2.linear_attn.in_proj_z.weight", None)
@@ -303,7 +299,6 @@ def test_mlx_lm_conversion_loads_without_mtp(
     assert mx.array_equal(forward([shard]), forward([reference]))
 
 
-@pytest.mark.xfail(strict=True, reason="loading.py: _override_name keeps other layers' overrides")
 def test_mixed_precision_overrides_apply_to_their_own_layers(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "hf", moe=False, num_layers=8)
     converted = mlx_lm_convert(
