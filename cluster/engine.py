@@ -41,6 +41,7 @@ class GenerationChunk:
     finish_reason: str | None  # "stop" | "length" | None
     drafted: int  # cumulative
     accepted: int  # cumulative
+    logprobs: tuple[float, ...] | None = None  # of `tokens`, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,8 @@ class GenerationEngine:
                 accepted += result.accepted
                 tokens, finish = _cut(result.tokens, request, produced)
                 produced += len(tokens)
-                yield GenerationChunk(tokens, finish, drafted, accepted)
+                logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
+                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs)
                 if finish:
                     return
                 step = self._next_step(step, result, request)

@@ -113,6 +113,9 @@ class ShardRunner:
                 f"request {step.request_id!r}: step at position {step.position} with rollback "
                 f"{step.rollback}, but the caches hold {state.cache.position} positions"
             )
+        # Only the tail knows the draft it made (and the distribution it drew it from).
+        if state.tail is not None and step.draft_len and step.tokens[-1] != state.tail.draft:
+            raise RequestError(f"request {step.request_id!r}: the draft is not the tail's")
         self._check_budget(state, len(step.tokens))
         state.last_used = time.monotonic()
         return state

@@ -12,16 +12,18 @@ One device sync after 2 and one after 3, for the whole batch.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from cluster.cache import RequestCache
 from cluster.layers import Segment
-from cluster.messages import RequestOptions, StepRequest, StepResult
+from cluster.messages import RequestOptions, SamplingParams, StepRequest, StepResult
 from cluster.sampling import RequestRandom, log_probs, sample
 from cluster.shard import ModelShard
 from cluster.verify import Candidates, decide, propose
+
+_PLAIN = SamplingParams()  # greedy params: log_probs gives the model's own distribution
 
 
 @dataclass(slots=True)
@@ -36,7 +38,6 @@ class TailRequest:
     pending_hidden: mx.array | None = None
     draft: int | None = None
     draft_logprobs: mx.array | None = None  # [vocab], the distribution `draft` came from
-    counts: dict[str, int] = field(default_factory=lambda: {"drafted": 0, "accepted": 0})
 
     @property
     def nbytes(self) -> int:
@@ -75,25 +76,28 @@ class Tail:
 
         # 2. sample or verify, one sync for the batch.
         proposals: list[Candidates | None] = []
+        plain: dict[int, mx.array] = {}  # the model's own log-probabilities, where asked for
         row = 0
-        for step, state in zip(steps, states, strict=True):
+        for i, (step, state) in enumerate(zip(steps, states, strict=True)):
             if not step.sample:
                 proposals.append(None)
                 continue
             n = step.draft_len + 1
             drafts = step.tokens[step.n_confirmed :]
-            if drafts and drafts != (state.draft,):
-                raise ValueError(f"request {step.request_id}: the step's draft is not the tail's")
             params = state.options.sampling
             target = log_probs(logits[row : row + n], params)
             q = state.draft_logprobs[None] if drafts and not params.greedy else None
             proposals.append(propose(target, drafts, q, params, state.rng))
+            if state.options.logprobs:
+                plain[i] = log_probs(logits[row : row + n], _PLAIN)
             row += n
-        mx.eval([a for p in proposals if p is not None for a in p.arrays()])
+        mx.eval([a for p in proposals if p is not None for a in p.arrays()], *plain.values())
 
         results: list[StepResult] = []
         feeds: list[_MTPFeed] = []
-        for step, state, offset, proposal in zip(steps, states, offsets, proposals, strict=True):
+        for i, (step, state, offset, proposal) in enumerate(
+            zip(steps, states, offsets, proposals, strict=True)
+        ):
             if proposal is None:  # a prefill chunk with more of the prompt to come
                 emitted, accepted, keep = (), 0, len(step.tokens)
                 follow = step.tokens[1:]
@@ -105,10 +109,11 @@ class Tail:
                 follow = (*step.tokens[1:keep], emitted[-1])
                 rows = mtp_input[:, offset : offset + keep]
                 pending = None
-                state.counts["drafted"] += step.draft_len
-                state.counts["accepted"] += accepted
+            logprobs = None
+            if i in plain:  # emitted token j was predicted at row j
+                logprobs = tuple(plain[i][j, t].item() for j, t in enumerate(emitted))
             results.append(
-                StepResult(step.request_id, emitted, keep, None, step.draft_len, accepted)
+                StepResult(step.request_id, emitted, keep, None, step.draft_len, accepted, logprobs)
             )
             if state.mtp_cache is not None:
                 if state.pending_hidden is not None:
@@ -123,7 +128,7 @@ class Tail:
             if draft is not None:
                 r = results[feed.result_index]
                 results[feed.result_index] = StepResult(
-                    r.request_id, r.tokens, r.keep, draft, r.drafted, r.accepted
+                    r.request_id, r.tokens, r.keep, draft, r.drafted, r.accepted, r.logprobs
                 )
         return results
 

@@ -145,3 +145,30 @@ def _experts_in_float32(model) -> None:
         experts = getattr(layer.mlp, "switch_mlp", None)
         if experts is not None:
             experts.update(tree_map(lambda a: a.astype(mx.float32), experts.parameters()))
+
+
+def test_logprobs_are_the_models_own(model_dir, tokenizer) -> None:
+    """Asked for, logprobs come with each token (MTP on or off) and match a plain forward."""
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
+
+    async def go(mtp: bool):
+        local = await open_local_engine(model_dir, mtp=mtp)
+        try:
+            request = GenerationRequest(prompt, 12, RequestOptions(mtp=mtp, logprobs=True))
+            tokens, logprobs = [], []
+            async for chunk in local.engine.stream(request):
+                tokens += chunk.tokens
+                logprobs += chunk.logprobs
+            return tokens, logprobs
+        finally:
+            local.close()
+
+    tokens, logprobs = run(go(True))
+    assert run(go(False))[0] == tokens and len(logprobs) == len(tokens) == 12
+    model, _ = mlx_lm_load(str(model_dir))
+    logits = model(mx.array([*prompt, *tokens[:-1]])[None])[0, len(prompt) - 1 :]
+    expected = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[
+        mx.arange(12), mx.array(tokens)
+    ]
+    assert all(abs(a - b) < 0.05 for a, b in zip(logprobs, expected.tolist(), strict=True))
+    assert all(lp <= 0 for lp in logprobs)
