@@ -7,6 +7,7 @@ Needs Playwright's Python package (`pip install playwright`, no browser download
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -36,7 +37,8 @@ POLL_DEADLINE_MS = 5000  # the page polls every second; allow a few polls
 @pytest.fixture
 def page_and_server() -> Iterator[tuple[Any, Served]]:
     if not shutil.which(CHROMIUM):
-        pytest.skip("apt-get install -y chromium")
+        # CI installs it (.ci/run): there a missing browser is a failure, not a skip.
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("apt-get install -y chromium")
     with (
         serve(FakeEngine.saying("hi"), view=FakeClusterView()) as served,
         playwright.sync_playwright() as pw,
