@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from cluster.messages import SamplingParams
-from cluster.sampling import RequestRandom, sample
+from cluster.sampling import RequestRandom, draw, sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +53,8 @@ def propose(
     q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
     u = mx.random.uniform(shape=(len(drafts),), key=rng.next_key())
     accept = u * q_d < p_d  # u < p/q without dividing by a zero q
-    residual = mx.maximum(p - q, 0.0)
     # p == q leaves no residual mass; then the draft is always accepted and the value unused.
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
-    correction = mx.random.categorical(mx.log(residual), axis=-1, key=rng.next_key())
+    correction = draw(mx.maximum(p - q, 0.0), rng)
     return Candidates(target, accept, correction)
 
 

@@ -113,6 +113,9 @@ def up_command(count: int, model_dir: Path | None, port: int, layers: str | None
         raise click.BadParameter("--local needs at least one node")
     token = os.environ.get("CLUSTER_TOKEN") or secrets.token_hex(16)
     env = {**os.environ, "CLUSTER_TOKEN": token}
+    # SIGTERM (kill, a service manager) stops everything as Ctrl-C does; by default it would
+    # end this process at once, skipping the `finally` below and leaving the nodes running.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     ports = [_free_port() for _ in range(count)]
     procs = [
         subprocess.Popen(

@@ -288,6 +288,9 @@ async def run_coordinator(
         ),
         counters=coordinator.counters,
     )
+    # A client that hangs up cancels its handler at once, and with it the request on every
+    # node (RemotePipeline writes the shared step stream from its own task, so a cancelled
+    # request never cuts the stream that the others ride on).
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

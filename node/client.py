@@ -107,7 +107,7 @@ class RemotePipeline:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._pending: dict[str, deque[asyncio.Future[StepResult]]] = defaultdict(deque)
         self._sequence = itertools.count()
-        self._send_lock = asyncio.Lock()
+        self._outbox: asyncio.Queue[pb.StepBatch] = asyncio.Queue()
         self._head_call: grpc.aio.StreamStreamCall | None = None
         self._tasks: list[asyncio.Task] = []
         self._releases: set[asyncio.Task] = set()
@@ -125,6 +125,8 @@ class RemotePipeline:
         for client, call in zip(self.clients, calls, strict=True):
             self._tasks.append(asyncio.create_task(self._listen(client, call)))
             self._tasks.append(asyncio.create_task(self._heartbeat(client)))
+        self._tasks.append(asyncio.create_task(self._write_steps()))
+        self._tasks.append(asyncio.create_task(self._watch_steps()))
         # A node answers Results once its subscription is in place; until then a result that
         # the tail publishes would be lost (and its request would wait forever).
         try:
@@ -152,15 +154,9 @@ class RemotePipeline:
             raise self.failure
         future = asyncio.get_running_loop().create_future()
         self._pending[step.request_id].append(future)
-        message = step_batch_to_proto([step], None, next(self._sequence))
-        try:
-            async with self._send_lock:
-                await self._head_call.write(message)
-                self.messages_sent += 1
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:
-            self._fail_all(
-                NodeUnavailable(f"node {self.clients[0].describe()} is unreachable: {error}")
-            )
+        # One writer task owns the shared stream: a caller cancelled mid-write (a client that
+        # hung up) must not cancel the stream that every request rides on.
+        self._outbox.put_nowait(step_batch_to_proto([step], None, next(self._sequence)))
         return await future
 
     async def release(self, request_id: str) -> None:
@@ -182,6 +178,30 @@ class RemotePipeline:
                 log.debug("release of %s on %s failed: %s", request_id, client.describe(), result)
 
     # -- streams and liveness ---------------------------------------------------------------
+
+    async def _write_steps(self) -> None:
+        try:
+            while True:
+                message = await self._outbox.get()
+                await self._head_call.write(message)
+                self.messages_sent += 1
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
+            self._fail_all(
+                NodeUnavailable(f"node {self.clients[0].describe()} is unreachable: {error}")
+            )
+
+    async def _watch_steps(self) -> None:
+        """The head answers on the step stream only about messages it could not read; the
+        stream ending means the head is gone."""
+        try:
+            async for event in self._head_call:
+                log.warning("head rejected step message %d", event.sequence)
+            message = "closed the step stream"
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED:
+                return
+            message = f"is unreachable: {error.details()}"
+        self._fail_all(NodeUnavailable(f"node {self.clients[0].describe()} {message}"))
 
     async def _listen(self, client: NodeClient, call: grpc.aio.UnaryStreamCall) -> None:
         try:

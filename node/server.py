@@ -262,12 +262,18 @@ async def serve(
     if advertise:
         from node.advertise import NodeAdvertiser
 
+        # A node bound to one address announces that address only (on its interface);
+        # bound to all, it announces every address the machine has.
+        specific = (
+            {} if host in ("0.0.0.0", "::", "") else {"addresses": [host], "interfaces": [host]}
+        )
         advertiser = NodeAdvertiser(
             node_id=node_id,
             port=bound,
             memory_bytes=total_memory_bytes(),
             device=device_name(),
             version=__version__,
+            **specific,
         )
         await advertiser.start()
     log.info("node %s listening on %s:%d", node_id, host, bound)
