@@ -381,7 +381,7 @@ class _Api:
                 f"This model's maximum context length is {max_context} tokens. However, you "
                 f"requested {len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the "
                 f"prompt, {max(max_tokens, 1)} for the completion).",
-                param="messages" if params.max_tokens is None else "max_tokens",
+                param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
         options = RequestOptions(sampling=params.sampling)
@@ -436,8 +436,8 @@ class _Api:
         request the engine refuses at once still gets a real HTTP error status."""
         text = await stream.next_text()
         response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             for obj in fmt.opening():
                 await _send_event(response, obj)
             while text is not None:
