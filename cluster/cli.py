@@ -44,6 +44,13 @@ def main(verbose: int) -> None:
 @click.option("--layers", default=None, help="Layer ranges per shard, e.g. 0:3,3:8.")
 @click.option("--nodes", default=None, help="Run on node daemons: HOST:PORT,HOST:PORT,...")
 @click.option("--token", envvar="CLUSTER_TOKEN", default=None, help="Cluster secret (--nodes).")
+@click.option(
+    "--tls-cert",
+    envvar="CLUSTER_TLS_CERT",
+    type=click.Path(exists=True),
+    default=None,
+    help="Cluster certificate (PEM) to reach TLS nodes (--nodes).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(
     model_dir: Path | None,
@@ -59,6 +66,7 @@ def generate(
     layers: str | None,
     nodes: str | None,
     token: str | None,
+    tls_cert: str | None,
     as_json: bool,
 ) -> None:
     """Generate text for one prompt, in this process or across node daemons."""
@@ -79,6 +87,7 @@ def generate(
                 layers=layers,
                 nodes=nodes,
                 token=token,
+                tls_cert=tls_cert,
                 stream_to=None if as_json else sys.stdout,
             )
         )

@@ -31,6 +31,7 @@ async def run_generate(
     layers: str | None = None,
     nodes: str | None = None,
     token: str | None = None,
+    tls_cert: str | None = None,
     stream_to: TextIO | None = None,
 ) -> dict:
     config = load_model_config(model_dir)
@@ -40,9 +41,16 @@ async def run_generate(
     request = GenerationRequest(ids, max_tokens, options, stop)
     ranges = parse_layers(layers) if layers else None
     if nodes:
+        from node.auth import TLSConfig
         from node.client import open_remote_engine
 
-        remote = await open_remote_engine(model_dir, nodes.split(","), token=token, ranges=ranges)
+        remote = await open_remote_engine(
+            model_dir,
+            nodes.split(","),
+            token=token,
+            ranges=ranges,
+            tls=TLSConfig.from_files(tls_cert),
+        )
         try:
             return await _run(remote.engine, tokenizer, request, stream_to)
         finally:

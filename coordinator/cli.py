@@ -21,6 +21,7 @@ import click
 from cluster.config import bundled_model_path
 from cluster.local import parse_layers
 from coordinator.service import run_coordinator
+from node.auth import TLSConfig
 
 NODE_START_TIMEOUT_S = 60.0
 
@@ -42,6 +43,13 @@ NODE_START_TIMEOUT_S = 60.0
 @click.option("--no-mdns", is_flag=True, help="Only use --nodes; do not browse mDNS.")
 @click.option("--max-running", type=int, default=8, show_default=True)
 @click.option("--max-queued", type=int, default=64, show_default=True)
+@click.option(
+    "--tls-cert",
+    envvar="CLUSTER_TLS_CERT",
+    type=click.Path(exists=True),
+    default=None,
+    help="Cluster certificate (PEM) when the nodes serve TLS.",
+)
 def coordinator_command(
     nodes: str,
     model_dir: Path | None,
@@ -53,6 +61,7 @@ def coordinator_command(
     no_mdns: bool,
     max_running: int,
     max_queued: int,
+    tls_cert: str | None,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
     static = [n for n in nodes.split(",") if n]
@@ -69,6 +78,7 @@ def coordinator_command(
                 use_all=all_nodes,
                 max_running=max_running,
                 max_queued=max_queued,
+                tls=TLSConfig.from_files(tls_cert),
             )
         )
     except KeyboardInterrupt:

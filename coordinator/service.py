@@ -25,6 +25,7 @@ from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from node.auth import TLSConfig
 from node.client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb
 
@@ -82,8 +83,10 @@ class Coordinator:
         context_tokens: int = 32768,
         concurrency: int = 8,
         node_model_dir: str | None = None,
+        tls: TLSConfig | None = None,
     ):
         self.model_dir = model_dir
+        self.tls = tls
         self.directory = directory
         self.token = token
         self.layers = layers
@@ -159,6 +162,7 @@ class Coordinator:
             token=self.token,
             ranges=ranges,
             node_model_dir=self.node_model_dir,
+            tls=self.tls,
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         if self.engine is None:
@@ -186,7 +190,7 @@ class Coordinator:
     async def _probe(self, node: DiscoveredNode) -> pb.NodeInfo | None:
         client = self._probes.get(node.address)
         if client is None:
-            client = self._probes[node.address] = NodeClient(node.address, self.token)
+            client = self._probes[node.address] = NodeClient(node.address, self.token, self.tls)
         heard = self._heard.setdefault(node.address, _Heard())
         try:
             heard.info = await client.info(timeout=DOWN_AFTER_S - HEARTBEAT_S)
@@ -265,6 +269,7 @@ async def run_coordinator(
     max_queued: int = 64,
     announce: bool = True,
     started: asyncio.Event | None = None,
+    tls: TLSConfig | None = None,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     directory = NodeDirectory(nodes, browse=browse)
@@ -275,6 +280,7 @@ async def run_coordinator(
         layers=layers,
         use_all=use_all,
         concurrency=max_running,
+        tls=tls,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()

@@ -1,4 +1,4 @@
-"""The cluster secret on every node RPC.
+"""The cluster secret on every node RPC, and TLS when the cluster wants it.
 
 Nothing that can load weights or run a forward pass is open to anyone on the network: each
 call carries the secret in its metadata and the server compares it in constant time before
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+
+from cluster.wire import grpc_channel_options
 
 TOKEN_HEADER = "x-cluster-token"
 
@@ -52,3 +56,34 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """TLS with one cluster certificate: nodes serve with it (certificate + key) and every
+    peer (driver, coordinator, the previous node) trusts exactly it. Its subject alternative
+    names must cover the addresses the nodes are dialled at."""
+
+    cert: bytes
+    key: bytes | None = None  # nodes only
+
+    @classmethod
+    def from_files(cls, cert: str | Path | None, key: str | Path | None = None) -> TLSConfig | None:
+        if cert is None:
+            if key is not None:
+                raise ValueError("a TLS key needs its certificate (--tls-cert)")
+            return None
+        return cls(Path(cert).read_bytes(), Path(key).read_bytes() if key else None)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.key is None:
+            raise ValueError("a node serving TLS needs the certificate's key (--tls-key)")
+        return grpc.ssl_server_credentials([(self.key, self.cert)])
+
+
+def open_channel(address: str, tls: TLSConfig | None) -> grpc.aio.Channel:
+    """A channel to a node: TLS when the cluster uses it, plain otherwise."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=grpc_channel_options())
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.cert)
+    return grpc.aio.secure_channel(address, credentials, options=grpc_channel_options())

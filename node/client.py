@@ -22,8 +22,8 @@ from cluster.config import load_model_config
 from cluster.engine import GenerationEngine
 from cluster.local import even_ranges, shard_specs
 from cluster.messages import RequestError, StepRequest, StepResult
-from cluster.wire import grpc_channel_options, results_from_proto, step_batch_to_proto
-from node.auth import token_metadata
+from cluster.wire import results_from_proto, step_batch_to_proto
+from node.auth import TLSConfig, open_channel, token_metadata
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -48,10 +48,10 @@ class NodeRequestError(RequestError):
 class NodeClient:
     """Unary calls to one node, each with the cluster token and a deadline."""
 
-    def __init__(self, address: str, token: str):
+    def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
         self.address = address
         self.metadata = token_metadata(token)
-        self.channel = grpc.aio.insecure_channel(address, options=grpc_channel_options())
+        self.channel = open_channel(address, tls)
         self.stub = pb_grpc.NodeStub(self.channel)
         self.node_id = address  # until Info says otherwise
 
@@ -276,6 +276,7 @@ async def load_pipeline(
     node_model_dir: str | None = None,
     dtype: str = "",
     cache_budget_bytes: int | None = None,
+    tls: TLSConfig | None = None,
 ) -> RemotePipeline:
     """Load the shards (evenly split unless `ranges`) and open the streams."""
     if not token:
@@ -287,7 +288,7 @@ async def load_pipeline(
     specs = shard_specs(ranges)
     if specs[-1].end != config.num_layers or specs[0].start != 0:
         raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
-    clients = [NodeClient(address, token) for address in addresses]
+    clients = [NodeClient(address, token, tls) for address in addresses]
     try:
         await asyncio.gather(*(c.info() for c in clients))
         requests = []
@@ -322,6 +323,7 @@ async def open_remote_engine(
     token: str | None,
     ranges: list[tuple[int, int]] | None = None,
     prefill_chunk: int = 512,
+    tls: TLSConfig | None = None,
 ) -> RemoteEngine:
-    pipeline = await load_pipeline(model_dir, addresses, token=token or "", ranges=ranges)
+    pipeline = await load_pipeline(model_dir, addresses, token=token or "", ranges=ranges, tls=tls)
     return RemoteEngine(GenerationEngine(pipeline, prefill_chunk=prefill_chunk), pipeline)

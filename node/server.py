@@ -30,7 +30,7 @@ from cluster.runner import ShardRunner
 from cluster.shard import ShardSpec
 from cluster.wire import grpc_server_options
 from cluster.worker import MLXWorker
-from node.auth import TokenInterceptor
+from node.auth import TLSConfig, TokenInterceptor
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -73,8 +73,10 @@ class NodeService(pb_grpc.NodeServicer):
         node_id: str,
         cache_budget_bytes: int | None = None,
         idle_timeout_s: float = 600.0,
+        tls: TLSConfig | None = None,
     ):
         self.token = token
+        self.tls = tls  # also used to dial the next node
         self.node_id = node_id
         self.cache_budget_bytes = cache_budget_bytes
         self.idle_timeout_s = idle_timeout_s
@@ -126,6 +128,7 @@ class NodeService(pb_grpc.NodeServicer):
                 self.subscribers,
                 next_node=request.next_node or None,
                 token=self.token,
+                tls=self.tls,
             )
             self.shard_request = request
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
@@ -243,6 +246,7 @@ async def serve(
     idle_timeout_s: float = 600.0,
     advertise: bool = False,
     ready: asyncio.Event | None = None,
+    tls: TLSConfig | None = None,
 ) -> None:
     """Run a node until cancelled."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
@@ -251,10 +255,15 @@ async def serve(
         node_id=node_id,
         cache_budget_bytes=cache_budget_bytes,
         idle_timeout_s=idle_timeout_s,
+        tls=tls,
     )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.server_credentials())
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
@@ -313,6 +322,20 @@ async def serve(
     show_default=True,
     help="Announce this node over mDNS (zeroconf).",
 )
+@click.option(
+    "--tls-cert",
+    envvar="CLUSTER_TLS_CERT",
+    type=click.Path(exists=True),
+    default=None,
+    help="Cluster certificate (PEM): serve and dial nodes over TLS.",
+)
+@click.option(
+    "--tls-key",
+    envvar="CLUSTER_TLS_KEY",
+    type=click.Path(exists=True),
+    default=None,
+    help="The certificate's private key (PEM).",
+)
 def node_command(
     host: str,
     port: int,
@@ -321,10 +344,15 @@ def node_command(
     cache_budget_gb: float | None,
     idle_timeout: float,
     advertise: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
     try:
+        tls = TLSConfig.from_files(tls_cert, tls_key)
+        if tls is not None:
+            tls.server_credentials()  # fail now if the key is missing
         asyncio.run(
             serve(
                 host,
@@ -334,9 +362,10 @@ def node_command(
                 cache_budget_bytes=budget,
                 idle_timeout_s=idle_timeout,
                 advertise=advertise,
+                tls=tls,
             )
         )
     except KeyboardInterrupt:
         pass
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise click.ClickException(str(error)) from error

@@ -24,13 +24,12 @@ from cluster.messages import RequestError, StepRequest
 from cluster.runner import CacheBudgetError, ShardRunner
 from cluster.wire import (
     WireError,
-    grpc_channel_options,
     results_to_proto,
     step_batch_from_proto,
     step_batch_to_proto,
 )
 from cluster.worker import MLXWorker
-from node.auth import token_metadata
+from node.auth import TLSConfig, open_channel, token_metadata
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -94,16 +93,17 @@ class StageStats:
 class Downstream:
     """The long-lived step stream to the successor, reopened if it breaks."""
 
-    def __init__(self, address: str, token: str):
+    def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
         self.address = address
         self._token = token
+        self._tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
 
     async def send(self, message: pb.StepBatch) -> None:
         if self._call is None or self._call.done():
             await self.close()
-            self._channel = grpc.aio.insecure_channel(self.address, options=grpc_channel_options())
+            self._channel = open_channel(self.address, self._tls)
             stub = pb_grpc.NodeStub(self._channel)
             self._call = stub.Steps(metadata=token_metadata(self._token))
         await self._call.write(message)
@@ -125,12 +125,13 @@ class Stage:
         *,
         next_node: str | None,
         token: str,
+        tls: TLSConfig | None = None,
         max_batch_positions: int = 4096,
     ):
         self.runner = runner
         self.worker = worker
         self.subscribers = subscribers
-        self.downstream = Downstream(next_node, token) if next_node else None
+        self.downstream = Downstream(next_node, token, tls) if next_node else None
         self.max_batch_positions = max_batch_positions
         self.stats = StageStats()
         self._inbound: deque[_Inbound] = deque()

@@ -109,8 +109,12 @@ def _command() -> list[str]:
     return [sys.executable, "-c", "from cluster.cli import main; main()"]
 
 
-def start_nodes(count: int, log_dir: Path, *, token: str = TOKEN) -> NodeGroup:
-    """Start `count` nodes at once (they load in parallel) and wait until each answers Info."""
+def start_nodes(
+    count: int, log_dir: Path, *, token: str = TOKEN, tls: tuple[Path, Path] | None = None
+) -> NodeGroup:
+    """Start `count` nodes at once (they load in parallel) and wait until each answers Info.
+    `tls` is (certificate, key): the nodes then serve TLS only."""
+    tls_args = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     nodes = []
@@ -120,14 +124,14 @@ def start_nodes(count: int, log_dir: Path, *, token: str = TOKEN) -> NodeGroup:
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
                     [*_command(), "-v", "node", "--host", "127.0.0.1", "--port", "0",
-                     "--token", token, "--no-advertise"],
+                     "--token", token, "--no-advertise", *tls_args],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 )  # fmt: skip
             nodes.append(NodeProcess(process, log_path))
         deadline = time.monotonic() + START_TIMEOUT_S
         for node in nodes:
             node.address = _wait_listening(node, deadline)
-            _wait_info(node, token, deadline)
+            _wait_info(node, token, deadline, tls[0].read_bytes() if tls else None)
     except BaseException:
         for node in nodes:
             node.kill()
@@ -147,8 +151,15 @@ def _wait_listening(node: NodeProcess, deadline: float) -> str:
         time.sleep(0.05)
 
 
-def _wait_info(node: NodeProcess, token: str, deadline: float) -> pb.NodeInfo:
-    with grpc.insecure_channel(node.address) as channel:
+def _wait_info(
+    node: NodeProcess, token: str, deadline: float, cert: bytes | None = None
+) -> pb.NodeInfo:
+    channel = (
+        grpc.secure_channel(node.address, grpc.ssl_channel_credentials(cert))
+        if cert
+        else grpc.insecure_channel(node.address)
+    )
+    with channel:
         stub = pb_grpc.NodeStub(channel)
         while True:
             try:
@@ -191,8 +202,8 @@ def node_factory(
     plugin = _LogsOnFailure(request.module)
     request.config.pluginmanager.register(plugin)
 
-    def make(count: int, *, token: str = TOKEN) -> NodeGroup:
-        group = start_nodes(count, log_dir, token=token)
+    def make(count: int, *, token: str = TOKEN, tls: tuple[Path, Path] | None = None) -> NodeGroup:
+        group = start_nodes(count, log_dir, token=token, tls=tls)
         plugin.nodes += group.nodes
         return group
 

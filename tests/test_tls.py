@@ -1,0 +1,82 @@
+"""TLS as an option: nodes serve it, the driver and the previous node dial it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import CODE_PROMPTS, run
+
+from cluster.engine import GenerationRequest
+from cluster.local import open_local_engine
+from node.auth import TLSConfig
+from node.client import NodeClient, NodeUnavailable, open_remote_engine
+from tests import nodes
+
+node_factory = nodes.node_factory
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed cluster certificate for 127.0.0.1."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cluster.pem", folder / "cluster.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=qwen-cluster", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_generation_over_tls_matches_and_plain_clients_are_refused(
+    node_factory, certificate: tuple[Path, Path], model_dir, tokenizer
+) -> None:
+    group = node_factory(2, tls=certificate)
+    tls = TLSConfig.from_files(certificate[0])
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
+
+    async def remote() -> tuple[int, ...]:
+        engine = await open_remote_engine(model_dir, group.addresses, token=group.token, tls=tls)
+        try:
+            return (await engine.engine.generate(GenerationRequest(prompt, 24))).tokens
+        finally:
+            await engine.close()
+
+    async def local() -> tuple[int, ...]:
+        engine = await open_local_engine(model_dir)
+        try:
+            return (await engine.engine.generate(GenerationRequest(prompt, 24))).tokens
+        finally:
+            engine.close()
+
+    assert run(remote()) == run(local())
+
+    async def plain_info() -> None:
+        client = NodeClient(group.addresses[0], group.token)  # no TLS
+        try:
+            await client.info(timeout=2.0)
+        finally:
+            await client.close()
+
+    with pytest.raises(NodeUnavailable):
+        run(plain_info())
+
+    async def wrong_token() -> None:
+        client = NodeClient(group.addresses[0], "not-the-token", tls)
+        try:
+            await client.info(timeout=2.0)
+        finally:
+            await client.close()
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        run(wrong_token())
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_key_without_its_certificate_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs its certificate"):
+        TLSConfig.from_files(None, "key.pem")
