@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from cluster.tail import Tail, TailRequest
 log = logging.getLogger(__name__)
 
 KV_ALLOCATION_STEP = 256  # mlx-lm's KVCache grows in blocks of this many positions
+RELEASED_MEMORY = 4096  # released request ids remembered, to refuse their late steps
 
 
 class CacheBudgetError(RequestError):
@@ -64,6 +66,9 @@ class ShardRunner:
         self.cache_budget_bytes = cache_budget_bytes
         self.tail = Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm) if shard.spec.is_tail else None
         self.requests: dict[str, RequestState] = {}
+        # Ids released lately: a step still on its way when its request was released (a
+        # client that hung up mid-prefill) must not open the request again.
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._kv_bytes_per_position = self._kv_position_bytes()
 
     # -- the per-step path ------------------------------------------------------------------
@@ -104,6 +109,8 @@ class ShardRunner:
     def _prepare(self, step: StepRequest) -> RequestState:
         state = self.requests.get(step.request_id)
         if state is None:
+            if step.request_id in self._released:
+                raise RequestError(f"request {step.request_id!r} was released")
             if step.position != 0:
                 raise RequestError(f"unknown request id {step.request_id!r}")
             state = self._open(step)
@@ -180,6 +187,9 @@ class ShardRunner:
         return state.cache.position
 
     def release(self, request_id: str) -> bool:
+        self._released[request_id] = None
+        if len(self._released) > RELEASED_MEMORY:
+            self._released.popitem(last=False)
         return self.requests.pop(request_id, None) is not None
 
     def evict_idle(self, idle_seconds: float) -> list[str]:

@@ -13,89 +13,28 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from node.client import NodeClient
+from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
 
 TOKEN = "test-coordinator-secret"
-START_DEADLINE_S = 60.0
 FREE_DEADLINE_S = 10.0
 MAX_TOKENS = 16
 LONG_MAX_TOKENS = 4000  # minutes of decoding on this model: a cancellation must cut it short
 NODE_IDS = ("c-node-0", "c-node-1", "c-node-2")
 SUBJECTS = ("abc", "os.path", "json", "a stack", "fibonacci", "quicksort", "a parser", "sys")
-_LISTENING = re.compile(r"listening on \S+:(\d+)")
-_ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
-
-
-def wait_until(condition: Callable[[], Any], what: str, deadline_s: float = 20.0) -> Any:
-    """Poll `condition` until it returns something truthy; fail after `deadline_s`."""
-    deadline = time.monotonic() + deadline_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(0.05)
-    return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Daemon:
-    """A `cluster ...` process in its own process group, its output in a file."""
-
-    process: subprocess.Popen
-    log: Path
-
-    @classmethod
-    def start(cls, log: Path, *args: str) -> Daemon:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cluster", *args],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "CLUSTER_TOKEN": TOKEN},
-            start_new_session=True,
-        )
-        return cls(process, log)
-
-    def wait_for(self, pattern: re.Pattern[str]) -> str:
-        def found() -> str | None:
-            text = self.log.read_text()
-            if self.process.poll() is not None:
-                raise AssertionError(f"{self.process.args} exited:\n{text}")
-            match = pattern.search(text)
-            return match.group(1) if match else None
-
-        return wait_until(found, f"{pattern.pattern!r} from {self.log.name}", START_DEADLINE_S)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
 
 
 @dataclass
@@ -145,23 +84,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     daemons = [
         Daemon.start(
             logs / f"{node_id}.log",
+            TOKEN,
             *("node", "--host", "127.0.0.1", "--port", "0", "--node-id", node_id),
             "--no-advertise",
         )
         for node_id in NODE_IDS
     ]
     try:
-        ports = [daemon.wait_for(_LISTENING) for daemon in daemons]
+        ports = [daemon.wait_for(LISTENING) for daemon in daemons]
         addresses = [f"127.0.0.1:{port}" for port in ports]
         port = free_port()
         coordinator = Daemon.start(
             logs / "coordinator.log",
+            TOKEN,
             "coordinator",
             *("--nodes", ",".join(addresses), "--port", str(port)),
             *("--no-mdns", "--all-nodes"),
         )
         daemons.append(coordinator)
-        url = coordinator.wait_for(_ENDPOINT)
+        url = coordinator.wait_for(ENDPOINT)
         model = openai.OpenAI(base_url=f"{url}/v1", api_key="-").models.list().data[0].id
         yield Cluster(url, port, model, addresses)
     finally:

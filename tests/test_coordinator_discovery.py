@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,67 +24,10 @@ import openai
 import pytest
 
 from coordinator.discovery import NodeDirectory
+from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
 
-START_DEADLINE_S = 60.0
 SEEN_DEADLINE_S = 15.0  # mDNS browse + resolve, then one heartbeat
 LEFT_DEADLINE_S = 10.0
-_LISTENING = re.compile(r"listening on \S+:(\d+)")
-_ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
-
-
-def wait_until(condition: Callable[[], Any], what: str, deadline_s: float) -> Any:
-    """Poll `condition` until it returns something truthy; fail after `deadline_s`."""
-    deadline = time.monotonic() + deadline_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(0.05)
-    return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Daemon:
-    """A `cluster ...` process in its own process group, its output in a file."""
-
-    process: subprocess.Popen
-    log: Path
-
-    @classmethod
-    def start(cls, log: Path, token: str, *args: str) -> Daemon:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cluster", *args],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "CLUSTER_TOKEN": token},
-            start_new_session=True,
-        )
-        return cls(process, log)
-
-    def wait_for(self, pattern: re.Pattern[str]) -> str:
-        def found() -> str | None:
-            text = self.log.read_text()
-            if self.process.poll() is not None:
-                raise AssertionError(f"{self.process.args} exited:\n{text}")
-            match = pattern.search(text)
-            return match.group(1) if match else None
-
-        return wait_until(found, f"{pattern.pattern!r} in {self.log.name}", START_DEADLINE_S)
-
-    def stop(self) -> None:
-        """Ctrl-C: a node says goodbye over mDNS on its way out."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
 
 
 @pytest.fixture
@@ -135,7 +71,7 @@ def test_coordinator_finds_advertising_nodes(tmp_path: Path, daemons: list[Daemo
         tmp_path / "coordinator.log", token, "coordinator", "--port", str(port)
     )  # no --nodes: mDNS only
     daemons.append(coordinator)
-    url = coordinator.wait_for(_ENDPOINT)
+    url = coordinator.wait_for(ENDPOINT)
 
     assert _complete(url)
     placed = _cluster_nodes(url)[first]
@@ -171,7 +107,7 @@ def test_node_on_loopback_announces_an_address_it_listens_on(tmp_path: Path, dae
         *("node", "--host", "127.0.0.1", "--port", "0", "--node-id", node_id),
     )
     daemons.append(daemon)
-    port = daemon.wait_for(_LISTENING)
+    port = daemon.wait_for(LISTENING)
 
     async def announced() -> tuple[str, ...]:
         async with NodeDirectory(interfaces=["127.0.0.1"]) as directory:

@@ -84,3 +84,12 @@ def test_rollback_larger_than_the_last_step_is_refused(shard, tokenizer) -> None
     assert "r" in out.errors and not out.results
     with pytest.raises(RequestError, match="unknown request"):
         runner.rollback("nope", 1)
+
+
+def test_a_released_request_is_not_reopened_by_a_late_step(shard, tokenizer) -> None:
+    """A client that hung up mid-prefill: its release can overtake its first step."""
+    runner = ShardRunner(shard)
+    assert not runner.release("late")  # the release arrives first
+    out = runner.run([StepRequest("late", tuple(tokenizer.encode("x = 1")), 0)])
+    assert "late" in out.errors and "released" in str(out.errors["late"])
+    assert not runner.requests

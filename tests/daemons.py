@@ -1,0 +1,76 @@
+"""`cluster ...` processes for end-to-end tests, and polling with a deadline."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+START_DEADLINE_S = 60.0
+LISTENING = re.compile(r"listening on \S+:(\d+)")
+ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
+
+
+def wait_until(condition: Callable[[], Any], what: str, deadline_s: float = 20.0) -> Any:
+    """Poll `condition` until it returns something truthy; fail after `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    """A `cluster ...` process in its own process group, its output in a file."""
+
+    process: subprocess.Popen
+    log: Path
+
+    @classmethod
+    def start(cls, log: Path, token: str, *args: str) -> Daemon:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cluster", *args],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "CLUSTER_TOKEN": token},
+            start_new_session=True,
+        )
+        return cls(process, log)
+
+    def wait_for(self, pattern: re.Pattern[str]) -> str:
+        """The first group of `pattern` once the process has printed it."""
+
+        def found() -> str | None:
+            text = self.log.read_text()
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.process.args} exited:\n{text}")
+            match = pattern.search(text)
+            return match.group(1) if match else None
+
+        return wait_until(found, f"{pattern.pattern!r} in {self.log.name}", START_DEADLINE_S)
+
+    def stop(self) -> None:
+        """Ctrl-C (a node says goodbye over mDNS on its way out), then SIGKILL if need be."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
