@@ -72,9 +72,11 @@ class GenerationEngine:
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) "
                 f"exceeds the context of {self.max_context} tokens"
             )
-        rid = request.request_id
+        # Each run has its own id on the shards: nodes refuse a released id, and a caller may
+        # well run the same request twice.
+        rid = f"{request.request_id}.{uuid.uuid4().hex[:8]}"
         try:
-            step, result = await self._prefill(request)
+            step, result = await self._prefill(rid, request)
             produced = drafted = accepted = 0
             while True:
                 drafted += result.drafted
@@ -85,7 +87,7 @@ class GenerationEngine:
                 yield GenerationChunk(tokens, finish, drafted, accepted, logprobs)
                 if finish:
                     return
-                step = self._next_step(step, result, request)
+                step = self._next_step(step, result, request.options.mtp)
                 result = await self.pipeline.submit(step)
         finally:
             await asyncio.shield(self.pipeline.release(rid))
@@ -119,11 +121,13 @@ class GenerationEngine:
             time_to_first_token_s=first - start,
         )
 
-    async def _prefill(self, request: GenerationRequest) -> tuple[StepRequest, StepResult]:
+    async def _prefill(
+        self, rid: str, request: GenerationRequest
+    ) -> tuple[StepRequest, StepResult]:
         prompt, size = request.prompt, self.prefill_chunk
         steps = [
             StepRequest(
-                request.request_id,
+                rid,
                 prompt[i : i + size],
                 position=i,
                 sample=i + size >= len(prompt),
@@ -142,13 +146,11 @@ class GenerationEngine:
         return steps[-1], results[-1]
 
     @staticmethod
-    def _next_step(
-        step: StepRequest, result: StepResult, request: GenerationRequest
-    ) -> StepRequest:
+    def _next_step(step: StepRequest, result: StepResult, mtp: bool) -> StepRequest:
         last = result.tokens[-1]
-        draft = result.draft if request.options.mtp else None
+        draft = result.draft if mtp else None
         return StepRequest(
-            request.request_id,
+            step.request_id,
             (last,) if draft is None else (last, draft),
             position=step.position + result.keep,
             draft_len=0 if draft is None else 1,

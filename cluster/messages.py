@@ -16,6 +16,10 @@ class RequestError(ValueError):
     """A request that cannot be served as asked (bad parameters, too long, unknown id...)."""
 
 
+class UnknownRequestError(RequestError):
+    """A request id that this shard does not hold (never seen, released or expired)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the tail turns a distribution into a token. temperature == 0 means greedy."""

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from cluster.cache import RequestCache
 from cluster.layers import Segment
-from cluster.messages import RequestError, StepRequest, StepResult
+from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
 from cluster.shard import ModelShard
 from cluster.tail import Tail, TailRequest
 
@@ -110,9 +110,9 @@ class ShardRunner:
         state = self.requests.get(step.request_id)
         if state is None:
             if step.request_id in self._released:
-                raise RequestError(f"request {step.request_id!r} was released")
+                raise UnknownRequestError(f"request {step.request_id!r} was released")
             if step.position != 0:
-                raise RequestError(f"unknown request id {step.request_id!r}")
+                raise UnknownRequestError(f"unknown request id {step.request_id!r}")
             state = self._open(step)
         expected = state.cache.position - step.rollback
         if step.rollback > state.cache.last_step_len or expected != step.position:
@@ -179,7 +179,7 @@ class ShardRunner:
         """The standalone trim-and-restore signal; returns the position now held."""
         state = self.requests.get(request_id)
         if state is None:
-            raise RequestError(f"unknown request id {request_id!r}")
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
         try:
             state.cache.rollback(drop)
         except ValueError as error:

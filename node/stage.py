@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import mlx.core as mx
 
-from cluster.messages import RequestError, StepRequest
+from cluster.messages import RequestError, StepRequest, UnknownRequestError
 from cluster.runner import CacheBudgetError, ShardRunner
 from cluster.wire import (
     WireError,
@@ -41,7 +41,7 @@ Reply = Callable[[pb.StepEvent], None]
 def status_of(error: Exception) -> grpc.StatusCode:
     if isinstance(error, CacheBudgetError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, RequestError) and "unknown request" in str(error):
+    if isinstance(error, UnknownRequestError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(error, (RequestError, WireError)):
         return grpc.StatusCode.INVALID_ARGUMENT
