@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import (
+    _gated_delta_step_ops,
+    compute_g,
+    gated_delta_update,
+    normalize_qk,
+)
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
 from cluster.cache import RequestCache
@@ -97,34 +102,68 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         state_shape = (1, self.num_v_heads, self.head_v_dim, self.head_k_dim)
         state = _stack_states([c[1] for c in caches], state_shape, mx.float32)
 
-        # The recurrence runs in pieces split at every draft position, recording the state
-        # after each confirmed prefix; a rejected draft restores one of those.
-        outs, begin = [], 0
-        for keep in [*range(n_confirmed, length), length]:
-            piece = slice(begin, keep)
-            out, state = gated_delta_update(
-                q[:, piece],
-                k[:, piece],
-                v[:, piece],
-                a[:, piece],
-                b[:, piece],
-                self.A_log,
-                self.dt_bias,
-                state,
-                None,
-                use_kernel=not self.training,
-            )
-            outs.append(out)
-            if keep < length:
-                conv = conv_input[:, keep : keep + n_keep]
-                for row, seg in enumerate(segs):
-                    seg.cache.record_snapshot(slot, keep, _row(conv, row), _row(state, row))
-            begin = keep
+        # Record the state after each confirmed prefix: a rejected draft restores one of those.
+        snapshots: dict[int, mx.array] = {}
+        out, state = _recurrence(
+            q, k, v, a, b, self.A_log, self.dt_bias, state, range(n_confirmed, length),
+            snapshots, use_kernel=not self.training,
+        )  # fmt: skip
+        for keep, after in snapshots.items():
+            conv = conv_input[:, keep : keep + n_keep]
+            for row, seg in enumerate(segs):
+                seg.cache.record_snapshot(slot, keep, _row(conv, row), _row(after, row))
         conv = conv_input[:, -n_keep:]
         for row, cache in enumerate(caches):
             cache[0] = mx.contiguous(_row(conv, row))
             cache[1] = _row(state, row)
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        return out
+
+
+def _recurrence(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array,
+    snapshot_at: range,
+    snapshots: dict[int, mx.array],
+    *,
+    use_kernel: bool,
+) -> tuple[mx.array, mx.array]:
+    """mlx-lm's gated delta recurrence over all positions, keeping in `snapshots` the state
+    after the first `keep` positions for each `keep` in `snapshot_at`.
+
+    With Metal's fused kernel the sequence runs in pieces that end at the snapshot points. The
+    ops path (CPU, CUDA) steps one position at a time anyway, so it runs mlx-lm's own step
+    function in one loop and picks the states up as they pass: no extra work for a draft.
+    """
+    length = q.shape[1]
+    if use_kernel and mx.default_device() == mx.gpu and mx.metal.is_available():
+        outs, begin = [], 0
+        for keep in [*snapshot_at, length]:
+            out, state = gated_delta_update(
+                q[:, begin:keep], k[:, begin:keep], v[:, begin:keep], a[:, begin:keep],
+                b[:, begin:keep], A_log, dt_bias, state, None,
+            )  # fmt: skip
+            outs.append(out)
+            if keep < length:
+                snapshots[keep] = state
+            begin = keep
+        return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)), state
+    beta = mx.sigmoid(b)
+    g = compute_g(A_log, a, dt_bias)
+    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    ys = []
+    for t in range(length):
+        if t in snapshot_at:
+            snapshots[t] = state
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+    return mx.stack(ys, axis=1), state
 
 
 def _group_by_shape(segments: list[Segment]) -> dict[tuple[int, int], list[int]]:

@@ -6,7 +6,12 @@ Only the tail turns hidden states into tokens. For each request of a step it
 2. samples or verifies (cluster.verify), which fixes how many of the step's positions stay,
 3. feeds the MTP head the newly confirmed (hidden state, next token) pairs and drafts the
    token after the last emitted one.
-One device sync after 2 and one after 3, for the whole batch.
+
+All of it is one lazy graph and one device sync for the whole batch. Step 3 cannot wait for
+the verdict of step 2 without a second sync, so for a step [y, d] the MTP head is fed both
+pairs it may need, (h_y, d-or-correction) and (h_d, bonus), with the token chosen on the
+device; it drafts from both positions; once the verdict is read, a rejection trims the second
+pair from the MTP cache and keeps the draft made after the first.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from cluster.shard import ModelShard
 from cluster.verify import Candidates, decide, propose
 
 _PLAIN = SamplingParams()  # greedy params: log_probs gives the model's own distribution
+
+
+def _ids(tokens: tuple[int, ...]) -> mx.array:
+    return mx.array(tokens, dtype=mx.uint32)
 
 
 @dataclass(slots=True)
@@ -44,6 +53,25 @@ class TailRequest:
         return self.mtp_cache.nbytes if self.mtp_cache else 0
 
 
+@dataclass(slots=True)
+class _Job:
+    """One request's share of a step at the tail, as it is built up."""
+
+    step: StepRequest
+    state: TailRequest
+    offset: int  # of the step's first position in the packed batch
+    candidates: Candidates | None = None  # None: an intermediate prefill chunk
+    logprobs: mx.array | None = None  # the model's own, at the rows where tokens are due
+    mtp_tokens: mx.array | None = None  # the tokens paired with `mtp_hidden`
+    mtp_hidden: mx.array | None = None  # [1, pairs, hidden]
+    drafts: list[tuple[mx.array, mx.array]] | None = None  # (token, logprobs) per candidate
+
+    def arrays(self) -> list[mx.array]:
+        out = self.candidates.arrays() if self.candidates else []
+        out += [self.logprobs] if self.logprobs is not None else []
+        return out + [a for pair in self.drafts or () for a in pair]
+
+
 class Tail:
     def __init__(self, shard: ModelShard, *, mtp_reads_prenorm: bool = False):
         self.shard = shard
@@ -62,120 +90,106 @@ class Tail:
     ) -> list[StepResult]:
         normed = self.shard.norm(hidden)
         mtp_input = hidden if self.mtp_reads_prenorm else normed
+        offsets = itertools.accumulate((len(s.tokens) for s in steps), initial=0)
+        jobs = [_Job(s, state, o) for s, state, o in zip(steps, states, offsets, strict=False)]
+        self._verify(jobs, normed)
+        mtp_jobs = [j for j in jobs if j.state.mtp_cache is not None]
+        for job in mtp_jobs:
+            self._pair(job, mtp_input)
+        self._draft([j for j in mtp_jobs if j.mtp_tokens is not None])
+        mx.eval([a for job in jobs for a in job.arrays()])
+        return [self._conclude(job) for job in jobs]
 
-        # 1. logits where a token is due: the last confirmed position and each draft.
-        offsets, rows = [], []
-        start = 0
-        for step in steps:
-            offsets.append(start)
-            if step.sample:
-                first = start + step.n_confirmed - 1
-                rows.extend(range(first, start + len(step.tokens)))
-            start += len(step.tokens)
-        logits = self.shard.logits(normed[0, mx.array(rows)]) if rows else None
-
-        # 2. sample or verify, one sync for the batch.
-        proposals: list[Candidates | None] = []
-        plain: dict[int, mx.array] = {}  # the model's own log-probabilities, where asked for
+    def _verify(self, jobs: list[_Job], normed: mx.array) -> None:
+        """Logits where a token is due (one matmul), then each request's candidates."""
+        rows = []
+        for job in jobs:
+            if job.step.sample:
+                first = job.offset + job.step.n_confirmed - 1
+                rows.extend(range(first, job.offset + len(job.step.tokens)))
+        if not rows:
+            return
+        logits = self.shard.logits(normed[0, mx.array(rows)])
         row = 0
-        for i, (step, state) in enumerate(zip(steps, states, strict=True)):
-            if not step.sample:
-                proposals.append(None)
+        for job in jobs:
+            if not job.step.sample:
                 continue
-            n = step.draft_len + 1
-            drafts = step.tokens[step.n_confirmed :]
-            params = state.options.sampling
+            n = job.step.draft_len + 1
+            drafts = job.step.tokens[job.step.n_confirmed :]
+            params = job.state.options.sampling
             target = log_probs(logits[row : row + n], params)
-            q = state.draft_logprobs[None] if drafts and not params.greedy else None
-            proposals.append(propose(target, drafts, q, params, state.rng))
-            if state.options.logprobs:
-                plain[i] = log_probs(logits[row : row + n], _PLAIN)
+            q = job.state.draft_logprobs[None] if drafts and not params.greedy else None
+            job.candidates = propose(target, drafts, q, params, job.state.rng)
+            if job.state.options.logprobs:
+                job.logprobs = log_probs(logits[row : row + n], _PLAIN)
             row += n
-        mx.eval([a for p in proposals if p is not None for a in p.arrays()], *plain.values())
 
-        results: list[StepResult] = []
-        feeds: list[_MTPFeed] = []
-        for i, (step, state, offset, proposal) in enumerate(
-            zip(steps, states, offsets, proposals, strict=True)
-        ):
-            if proposal is None:  # a prefill chunk with more of the prompt to come
-                emitted, accepted, keep = (), 0, len(step.tokens)
-                follow = step.tokens[1:]
-                rows = mtp_input[:, offset : offset + keep - 1]
-                pending = mtp_input[:, offset + keep - 1 : offset + keep]
-            else:
-                emitted, accepted = decide(proposal, step.tokens[step.n_confirmed :])
-                keep = step.n_confirmed + accepted
-                follow = (*step.tokens[1:keep], emitted[-1])
-                rows = mtp_input[:, offset : offset + keep]
-                pending = None
-            logprobs = None
-            if i in plain:  # emitted token j was predicted at row j
-                logprobs = tuple(plain[i][j, t].item() for j, t in enumerate(emitted))
-            results.append(
-                StepResult(step.request_id, emitted, keep, None, step.draft_len, accepted, logprobs)
-            )
-            if state.mtp_cache is not None:
-                if state.pending_hidden is not None:
-                    rows = mx.concatenate([state.pending_hidden, rows], axis=1)
-                    follow = (step.tokens[0], *follow)
-                state.pending_hidden = pending
-                if follow:
-                    feeds.append(_MTPFeed(len(results) - 1, state, rows, follow, step.sample))
+    def _pair(self, job: _Job, mtp_input: mx.array) -> None:
+        """The (hidden state, next token) pairs this step confirms, or may confirm."""
+        step, state, c = job.step, job.state, job.candidates
+        n = len(step.tokens)
+        hidden = mtp_input[:, job.offset : job.offset + n]
+        if c is None:  # an intermediate prefill chunk: the last position waits for its token
+            tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
+            hidden = hidden[:, : n - 1]
+        elif step.draft_len == 0:  # a prompt's last chunk, or a step without a draft
+            tokens, pending = mx.concatenate([_ids(step.tokens[1:]), c.target[-1:]]), None
+        else:  # [y, d]: d or its correction after y, then the bonus after d
+            chosen = mx.where(c.accept, _ids(step.tokens[-1:]), c.correction)
+            tokens, pending = mx.concatenate([chosen, c.target[-1:]]), None
+        if state.pending_hidden is not None:
+            hidden = mx.concatenate([state.pending_hidden, hidden], axis=1)
+            tokens = mx.concatenate([_ids(step.tokens[:1]), tokens])
+        state.pending_hidden = pending
+        if tokens.size:
+            job.mtp_tokens, job.mtp_hidden = tokens, hidden
 
-        # 3. feed the MTP head and draft the next token, one sync for the batch.
-        for feed, draft in zip(feeds, self._feed_mtp(feeds), strict=True):
-            if draft is not None:
-                r = results[feed.result_index]
-                results[feed.result_index] = StepResult(
-                    r.request_id, r.tokens, r.keep, draft, r.drafted, r.accepted, r.logprobs
-                )
-        return results
-
-    def _feed_mtp(self, feeds: list[_MTPFeed]) -> list[int | None]:
-        """Run the MTP head over every request's new pairs; draft where a draft is due."""
-        if not feeds:
-            return []
+    def _draft(self, jobs: list[_Job]) -> None:
+        """Run the MTP head over every request's pairs; draft where a draft may be due."""
+        if not jobs:
+            return
         segments = []
-        for feed in feeds:
-            feed.state.mtp_cache.begin_step(0, len(feed.tokens))
-            segments.append(Segment(feed.state.mtp_cache, len(feed.tokens), len(feed.tokens)))
-        hidden = (
-            mx.concatenate([f.hidden for f in feeds], axis=1) if len(feeds) > 1 else feeds[0].hidden
-        )
-        tokens = mx.array([t for f in feeds for t in f.tokens])[None]
+        for job in jobs:
+            pairs = job.mtp_tokens.size
+            job.state.mtp_cache.begin_step(0, pairs)
+            segments.append(Segment(job.state.mtp_cache, pairs, pairs))
+        hidden = mx.concatenate([j.mtp_hidden for j in jobs], axis=1)
+        tokens = mx.concatenate([j.mtp_tokens for j in jobs])[None]
         out = self.shard.mtp(self.shard.embed(tokens), hidden, segments)
-        ends = list(itertools.accumulate(len(f.tokens) for f in feeds))
-        logits = self.shard.logits(out[0, mx.array([e - 1 for e in ends])])
-        sampled: list[tuple[mx.array, mx.array] | None] = []
-        for i, feed in enumerate(feeds):
-            if not feed.draft:
-                sampled.append(None)
+        ends = list(itertools.accumulate(job.mtp_tokens.size for job in jobs))
+        # A draft after each position where the last emitted token may stand.
+        rows, owners = [], []
+        for job, end in zip(jobs, ends, strict=True):
+            if job.candidates is None:
                 continue
-            params = feed.state.options.sampling
+            candidates = job.step.draft_len + 1 if job.step.draft_len else 1
+            rows.extend(range(end - candidates, end))
+            owners.extend([job] * candidates)
+        if not rows:
+            return
+        logits = self.shard.logits(out[0, mx.array(rows)])
+        for i, job in enumerate(owners):
+            params = job.state.options.sampling
             q = log_probs(logits[i], params)
-            sampled.append((sample(q, params, feed.state.rng), q))
-        mx.eval(
-            [a for pair in sampled if pair for a in pair]
-            + [a for f in feeds for a in f.state.mtp_cache.arrays()]
-        )
-        drafts: list[int | None] = []
-        for feed, pair in zip(feeds, sampled, strict=True):
-            if pair is None:
-                drafts.append(None)
-                continue
-            feed.state.draft = int(pair[0].item())
-            feed.state.draft_logprobs = pair[1]
-            drafts.append(feed.state.draft)
-        return drafts
+            job.drafts = [*(job.drafts or []), (sample(q, params, job.state.rng), q)]
 
-
-@dataclass(slots=True)
-class _MTPFeed:
-    """New (hidden state, next token) pairs of one request for the MTP head."""
-
-    result_index: int
-    state: TailRequest
-    hidden: mx.array  # [1, pairs, hidden]
-    tokens: tuple[int, ...]
-    draft: bool  # whether a draft is due after them
+    def _conclude(self, job: _Job) -> StepResult:
+        """Read the verdict (after the sync): tokens, what stays, the draft that holds."""
+        step, state = job.step, job.state
+        if job.candidates is None:
+            return StepResult(step.request_id, (), len(step.tokens))
+        emitted, accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
+        if job.drafts is not None:
+            rejected = step.draft_len - accepted
+            if rejected:  # the pair after the rejected draft never happened
+                state.mtp_cache.rollback(rejected)
+            token, state.draft_logprobs = job.drafts[accepted]
+            state.draft = int(token.item())
+        logprobs = None
+        if job.logprobs is not None:  # emitted token j was predicted at row j
+            logprobs = tuple(job.logprobs[j, t].item() for j, t in enumerate(emitted))
+        keep = step.n_confirmed + accepted
+        return StepResult(
+            step.request_id, emitted, keep, state.draft if job.drafts else None,
+            step.draft_len, accepted, logprobs,
+        )  # fmt: skip
