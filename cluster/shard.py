@@ -17,6 +17,9 @@ from cluster.layers import PackedDecoderLayer, Segment
 from cluster.mtp import MTPHead
 
 
+ASYNC_EVAL_EVERY = 8  # layers
+
+
 @dataclass(frozen=True, slots=True)
 class ShardSpec:
     start: int
@@ -71,6 +74,10 @@ class ModelShard(nn.Module):
     def __call__(self, x: mx.array, segments: list[Segment]) -> mx.array:
         for slot, layer in enumerate(self.layers):
             x = layer(x, segments, slot)
+            if slot % ASYNC_EVAL_EVERY == ASYNC_EVAL_EVERY - 1:
+                # Start the device on the layers built so far while Python builds the rest:
+                # building a step's graph is milliseconds that the device would otherwise idle.
+                mx.async_eval(x)
         return x
 
     def logits(self, normed: mx.array) -> mx.array:
