@@ -98,17 +98,17 @@ class GenerationEngine:
         on_chunk: Callable[[GenerationChunk], None] | None = None,
     ) -> GenerationOutput:
         """Run a request to its end; `on_chunk` sees each chunk as it comes."""
-        start = time.perf_counter()
+        start = end = time.perf_counter()
         first = None
         tokens: list[int] = []
         chunk = None
         async for chunk in self.stream(request):
+            end = time.perf_counter()  # not after the release that closing the stream does
             if first is None:
-                first = time.perf_counter()
+                first = end
             tokens += chunk.tokens
             if on_chunk is not None:
                 on_chunk(chunk)
-        end = time.perf_counter()
         assert chunk is not None and chunk.finish_reason is not None and first is not None
         after_first = max(len(tokens) - 1, 0)
         return GenerationOutput(

@@ -39,6 +39,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 <= self.min_p < 1.0):
             raise RequestError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -16,7 +16,6 @@ from cluster.config import ModelConfig
 from cluster.layers import PackedDecoderLayer, Segment
 from cluster.mtp import MTPHead
 
-
 ASYNC_EVAL_EVERY = 8  # layers
 
 

@@ -225,8 +225,8 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     if not 0 <= min_p < 1:
         raise _invalid("'min_p' must be in [0, 1)", "min_p")
     seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**64):
-        raise _invalid("'seed' must be a 64-bit integer", "seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
+        raise _invalid("'seed' must be an integer in [0, 2**63)", "seed")
     try:
         return SamplingParams(temperature, top_p, max(top_k, 0), min_p, seed)
     except RequestError as exc:  # the core's own checks, should they ever be stricter

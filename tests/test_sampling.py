@@ -46,7 +46,16 @@ def test_seeded_sampling_replays() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1}]
+    "kwargs",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"min_p": 1},
+        {"seed": -1},
+        {"seed": 2**63},
+    ],
 )
 def test_bad_sampling_params(kwargs: dict) -> None:
     with pytest.raises(RequestError):

@@ -1,0 +1,1085 @@
+"""GPU figures at a real model's shape with random weights: one process, N nodes, mlx-lm.
+
+    python -m cluster.bench.gpu_bench --shape qwen3_5_27b --bits 4 --json $OUT/gpu.json
+    python -m cluster.bench.gpu_bench --shape tiny --json /tmp/gpu-tiny.json   # CPU smoke run
+
+1. Writes a random-weight checkpoint of the shape (Qwen3.5-27B: 64 layers, hidden 5120, vocab
+   248320, untied lm_head, one MTP layer) in the MLX layout, quantized like an MLX-converted
+   model (`mtp.fc` and the norms unquantized, as `cluster convert` leaves them), with its
+   `mtp.*` tensors and a synthetic word-level tokenizer of the full vocabulary, one layer at a
+   time (memory: one layer plus the embedding). `cluster.loading.load_shard` and `mlx_lm.load`
+   both read it. The logits of a prompt are checked to be finite.
+2. In this process, on one MLX worker thread: the copy bandwidth; `ShardRunner.run` over the
+   whole model for a plain one-token step and for a verify step `[y, d]` (MTP head included),
+   medians of synchronised steps after warm-up, and a breakdown (graph building vs evaluation of
+   the backbone, lm_head, MTP head); then decode tokens/s through the engine with MTP off, and
+   on with the acceptance oracle of `cluster.bench.oracle_node` (each draft accepted with
+   probability alpha: random weights make real acceptance meaningless, the oracle keeps every
+   real cost: MTP head, 2-token step, snapshots, rollbacks); then mlx-lm's `stream_generate` on
+   the same directory.
+3. 2 and 3 local node processes on the same device (`python -m cluster.bench.oracle_node`),
+   driven through `node.client.open_remote_engine`: decode tokens/s with MTP off and on, as
+   ratios to the single-process engine of the same run.
+4. mlx-lm's own pipeline (`model.model.pipeline(group)`) under `mlx.launch --backend ring` with
+   2 ranks on 127.0.0.1; if it fails as is, the exact error is recorded and it runs again with
+   its send/recv/all_gather on the CPU stream (the ring backend's own implementation).
+
+Decode tokens/s is tokens after the first over the time after the first (the engine's
+`generation_tps`; for mlx-lm the same quantity from its responses' time stamps). Greedy; stop
+tokens ignored, so every run decodes exactly --tokens tokens. Phases that would not finish
+before --deadline-s are skipped and say so; the JSON is rewritten after every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from cluster.bench.common import free_port, machine, median, spread, write_json
+from cluster.bench.oracle_node import install_oracle, restore_decide
+from cluster.cache import RequestCache
+from cluster.config import ModelConfig, load_model_config
+from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.layers import Segment
+from cluster.loading import load_shard
+from cluster.messages import RequestOptions, StepRequest
+from cluster.pipeline import LocalPipeline
+from cluster.runner import ShardRunner
+from cluster.shard import ModelShard, ShardSpec
+from cluster.worker import MLXWorker
+
+REPO = Path(__file__).resolve().parents[2]
+ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3.5-27B (text): mlx-lm's TextModelArgs field names.
+    "qwen3_5_27b": {
+        "hidden_size": 5120,
+        "num_hidden_layers": 64,
+        "full_attention_interval": 4,
+        "intermediate_size": 17408,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {**ROPE, "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    },
+    # The bundled model's shape with a larger vocabulary: a CPU smoke run of every phase.
+    "tiny": {
+        "hidden_size": 256,
+        "num_hidden_layers": 8,
+        "full_attention_interval": 4,
+        "intermediate_size": 768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": 4096,
+        "max_position_embeddings": 8192,
+        "rope_parameters": {**ROPE, "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    },
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+MARKER = "bench_checkpoint.json"
+
+
+# ---- the random-weight checkpoint ----------------------------------------------------------
+
+
+def model_config(shape: str, bits: int, group_size: int) -> dict[str, Any]:
+    text = dict(SHAPES[shape])
+    layers, interval = text["num_hidden_layers"], text["full_attention_interval"]
+    text.update(
+        model_type="qwen3_5_text",
+        tie_word_embeddings=False,
+        mtp_num_hidden_layers=1,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        dtype="bfloat16",
+        eos_token_id=text["vocab_size"] - 1,
+        layer_types=[
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+    )
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "eos_token_id": text["eos_token_id"],
+    }
+    if bits < 16:
+        q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        config["quantization"] = q
+        config["quantization_config"] = q
+    return config
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one word per id ("t0" ... ), so that any sampled id decodes
+    (mlx-lm's loader wants a tokenizer; the speed of the model does not depend on it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20})
+    )
+
+
+def mlx_key(name: str, spec: ShardSpec) -> str:
+    """A one-layer shard's parameter name to its key in an MLX-converted directory."""
+    if match := _LAYER.match(name):
+        return f"language_model.model.layers.{int(match.group(1)) + spec.start}.{match.group(2)}"
+    if name.startswith(("embed_tokens.", "norm.")):
+        return f"language_model.model.{name}"
+    if name.startswith("lm_head."):
+        return f"language_model.{name}"
+    return name  # mtp.*
+
+
+def _bf16(shard: nn.Module) -> None:
+    def cast(path: str, value: mx.array) -> mx.array:
+        if path.endswith("A_log") or not mx.issubdtype(value.dtype, mx.floating):
+            return value
+        return value.astype(mx.bfloat16)
+
+    shard.update(tree_map_with_path(cast, shard.parameters()))
+
+
+def _quantizable(group_size: int) -> Callable[[str, nn.Module], bool]:
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not hasattr(module, "to_quantized") or path == "mtp.fc":
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    return predicate
+
+
+def write_checkpoint(path: Path, shape: str, bits: int, group_size: int, seed: int) -> dict:
+    """Write (or reuse) the random checkpoint; returns what was done and its size."""
+    want = {"shape": shape, "bits": bits, "group_size": group_size, "seed": seed, "version": 1}
+    marker = path / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return {"reused": True, "bytes": _dir_bytes(path), "seconds": 0.0}
+    started = time.perf_counter()
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    raw = model_config(shape, bits, group_size)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    write_tokenizer(path, raw["text_config"]["vocab_size"])
+    config = load_model_config(path)
+    mx.random.seed(seed)
+    layers = config.num_layers
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i in range(layers):
+        spec = ShardSpec(i, i + 1, is_head=i == 0, is_tail=i == layers - 1)
+        tensors = _layer_tensors(config, spec, bits, group_size)
+        file_name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
+        mx.save_safetensors(str(path / file_name), tensors, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+        total += sum(v.nbytes for v in tensors.values())
+        del tensors
+        mx.clear_cache()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    marker.write_text(json.dumps(want))
+    return {"reused": False, "bytes": total, "seconds": time.perf_counter() - started}
+
+
+def _layer_tensors(
+    config: ModelConfig, spec: ShardSpec, bits: int, group_size: int
+) -> dict[str, mx.array]:
+    """One decoder layer (plus the head's or the tail's extras), randomly initialised by the
+    modules' own initialisers, cast to bf16 and quantized."""
+    shard = ModelShard(config, spec, with_mtp=spec.is_tail and config.mtp_layers > 0)
+    _bf16(shard)
+    if bits < 16:
+        nn.quantize(
+            shard, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size)
+        )
+    tensors = {
+        mlx_key(name, spec): value
+        for name, value in tree_flatten(shard.parameters())
+        if spec.is_head or not name.startswith("embed_tokens.")  # the tail's copy
+    }
+    mx.eval(list(tensors.values()))
+    return tensors
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def default_dir(shape: str, bits: int) -> Path:
+    """tmpfs when it has room for the checkpoint twice over, else the temp dir."""
+    shm = Path("/dev/shm")
+    need = {"qwen3_5_27b": 40 << 30}.get(shape, 1 << 30)
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > need else Path("/tmp")
+    return base / f"gpu-bench-{shape}-q{bits}"
+
+
+def bench_prompt(vocab: int, length: int, seed: int = 0) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(vocab) for _ in range(length))
+
+
+# ---- measurements on the MLX worker thread -------------------------------------------------
+
+
+def _ms(values: list[float]) -> dict:
+    lo, hi = spread(values)
+    return {"median_ms": median(values) * 1e3, "q1_ms": lo * 1e3, "q3_ms": hi * 1e3}
+
+
+def copy_bandwidth(nbytes: int, iters: int = 10) -> dict:
+    """Device copy bandwidth (bytes read + written per second) of a bf16 elementwise op."""
+    x = mx.random.uniform(shape=(nbytes // 2,)).astype(mx.bfloat16)
+    mx.eval(x)
+    times = []
+    for _ in range(iters + 2):
+        t0 = time.perf_counter()
+        mx.eval(x * 1.5)
+        times.append(time.perf_counter() - t0)
+    t = median(times[2:])
+    return {"bytes": nbytes, "ms": t * 1e3, "gb_per_s": 2 * nbytes / t / 1e9}
+
+
+def weight_bytes(shard: ModelShard) -> dict:
+    def size(module: nn.Module) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+    return {
+        "layers": sum(size(layer) for layer in shard.layers),
+        "lm_head": size(shard.lm_head),
+        "embed_tokens": size(shard.embed_tokens),
+        "mtp_head": size(shard.mtp) if shard.has_mtp else 0,
+        "total": size(shard),
+    }
+
+
+def logits_check(shard: ModelShard, prompt: tuple[int, ...]) -> dict:
+    cache = RequestCache.for_layers(shard.linear_flags)
+    cache.begin_step(0, len(prompt))
+    hidden = shard(shard.embed(mx.array(prompt)[None]), [Segment(cache, len(prompt), len(prompt))])
+    logits = shard.logits(shard.norm(hidden[:, -1])).astype(mx.float32)
+    mx.eval(hidden, logits)
+    last = hidden[0, -1].astype(mx.float32)
+    return {
+        "finite": bool(mx.isfinite(logits).all().item() and mx.isfinite(hidden).all().item()),
+        "hidden_rms": float(mx.sqrt(mx.mean(last * last)).item()),
+        "logits_std": float(mx.std(logits).item()),
+    }
+
+
+def step_times(
+    runner: ShardRunner, prompt: tuple[int, ...], iters: int, warmup: int, alpha: float
+) -> dict:
+    """`ShardRunner.run` over the whole model: plain one-token steps (MTP off) and verify
+    steps [y, d] with the tail's own drafts (MTP on, the oracle deciding at `alpha`)."""
+    out: dict[str, Any] = {}
+    res = runner.run([StepRequest("plain", prompt, 0, options=RequestOptions(mtp=False))])
+    y, position = res.results[0].tokens[-1], len(prompt)
+    times = []
+    for _ in range(warmup + iters):
+        t0 = time.perf_counter()
+        r = runner.run([StepRequest("plain", (y,), position)]).results[0]
+        times.append(time.perf_counter() - t0)
+        y, position = r.tokens[-1], position + r.keep
+    runner.release("plain")
+    out["plain"] = _ms(times[warmup:])
+
+    previous = install_oracle(alpha, seed=1)
+    try:
+        res = runner.run([StepRequest("verify", prompt, 0, options=RequestOptions(mtp=True))])
+        r = res.results[0]
+        y, draft, position, rollback = r.tokens[-1], r.draft, len(prompt), 0
+        times, accepted = [], 0
+        for k in range(warmup + iters):
+            step = StepRequest("verify", (y, draft), position, draft_len=1, rollback=rollback)
+            t0 = time.perf_counter()
+            r = runner.run([step]).results[0]
+            times.append(time.perf_counter() - t0)
+            accepted += r.accepted if k >= warmup else 0
+            y, draft = r.tokens[-1], r.draft
+            position, rollback = position + r.keep, 2 - r.keep
+        runner.release("verify")
+    finally:
+        restore_decide(previous)
+    out["verify"] = _ms(times[warmup:])
+    out["verify_acceptance"] = accepted / iters
+    out["verify_over_plain"] = out["verify"]["median_ms"] / out["plain"]["median_ms"]
+    return out
+
+
+def breakdown(shard: ModelShard, prompt: tuple[int, ...], iters: int, warmup: int) -> dict:
+    """Where a step's time goes: building the backbone's graph (Python) vs evaluating it, for
+    1 and 2 positions; lm_head + argmax of one row; the MTP head over one pair + its lm_head."""
+    rng = random.Random(2)
+    vocab = shard.embed_tokens.weight.shape[0]
+    cache = RequestCache.for_layers(shard.linear_flags)
+    cache.begin_step(0, len(prompt))
+    x = shard.embed(mx.array(prompt)[None])
+    last = shard(x, [Segment(cache, len(prompt), len(prompt))])[:, -1:]
+    mx.eval(last, cache.arrays())
+    out: dict[str, Any] = {}
+    for length in (1, 2):
+        build, total = [], []
+        for _ in range(warmup + iters):
+            tokens = mx.array([rng.randrange(vocab) for _ in range(length)])[None]
+            t0 = time.perf_counter()
+            cache.begin_step(0, length)
+            h = shard(shard.embed(tokens), [Segment(cache, length, 1)])
+            t1 = time.perf_counter()
+            mx.eval(h, cache.arrays())
+            t2 = time.perf_counter()
+            build.append(t1 - t0)
+            total.append(t2 - t0)
+        out[f"backbone_{length}tok"] = {
+            "build_ms": median(build[warmup:]) * 1e3,
+            "total_ms": median(total[warmup:]) * 1e3,
+        }
+    out["lm_head_argmax_ms"] = _timed(
+        lambda: mx.argmax(shard.logits(shard.norm(last[:, -1])), axis=-1), iters, warmup
+    )
+    if shard.has_mtp:
+        mtp_cache = RequestCache.for_layers([False] * len(shard.mtp.layers))
+
+        def mtp_step() -> mx.array:
+            mtp_cache.begin_step(0, 1)
+            token = mx.array([[rng.randrange(vocab)]])
+            h = shard.mtp(shard.embed(token), last, [Segment(mtp_cache, 1, 1)])
+            return [mx.argmax(shard.logits(h[:, -1]), axis=-1), *mtp_cache.arrays()]
+
+        out["mtp_head_ms"] = _timed(mtp_step, iters, warmup)
+    return out
+
+
+def backbone_shapes(shard: ModelShard, prompt: tuple[int, ...], iters: int, warmup: int) -> dict:
+    """The backbone's step time by (positions, confirmed): (2, 2) runs the GatedDeltaNet
+    recurrence in one piece, (2, 1) splits it at the draft as a verify step does."""
+    rng = random.Random(4)
+    vocab = shard.embed_tokens.weight.shape[0]
+    cache = RequestCache.for_layers(shard.linear_flags)
+    cache.begin_step(0, len(prompt))
+    mx.eval(shard(shard.embed(mx.array(prompt)[None]), [Segment(cache, len(prompt), len(prompt))]))
+    out = {}
+    for length, confirmed in ((1, 1), (2, 2), (2, 1), (4, 4)):
+        times = []
+        for _ in range(warmup + iters):
+            tokens = mx.array([rng.randrange(vocab) for _ in range(length)])[None]
+            t0 = time.perf_counter()
+            cache.begin_step(0, length)
+            h = shard(shard.embed(tokens), [Segment(cache, length, confirmed)])
+            mx.eval(h, cache.arrays())
+            times.append(time.perf_counter() - t0)
+        out[f"{length}x{confirmed}"] = median(times[warmup:]) * 1e3
+    return out
+
+
+def qmm_micro(
+    config: ModelConfig, group_size: int, bits: int, copies: int = 8, iters: int = 20
+) -> dict:
+    """MLX's quantized matmul by rows M and output size N (ms per call, weight GB/s), over
+    `copies` distinct weights so that they do not sit in L2; M=2 also as two M=1 calls.
+    Shapes (N, K) of the model's projections, and N = 16384 (MLX CUDA's bound for its
+    one-row kernel on sm90) when the MLP is wider than that."""
+    t = config.text
+    qkv = 2 * t.linear_num_key_heads * t.linear_key_head_dim
+    qkv += t.linear_num_value_heads * t.linear_value_head_dim
+    shapes = {
+        "mlp_up": (t.intermediate_size, t.hidden_size),
+        "mlp_down": (t.hidden_size, t.intermediate_size),
+        "gdn_qkv": (qkv, t.hidden_size),
+    }
+    if t.intermediate_size > 16384:
+        shapes["n16384"] = (16384, t.hidden_size)
+    out: dict[str, Any] = {}
+    for name, (n, k) in shapes.items():
+        weights = [
+            mx.quantize(
+                (0.02 * mx.random.normal((n, k))).astype(mx.bfloat16),
+                group_size=group_size,
+                bits=bits,
+            )
+            for _ in range(copies)
+        ]
+        mx.eval(weights)
+        out[f"{name} {n}x{k}"] = _qmm_row(weights, k, group_size, bits, iters)
+        mx.clear_cache()
+    return out
+
+
+def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> dict:
+    nbytes = sum(a.nbytes for a in weights[0])
+
+    def calls(x: mx.array, split: bool) -> list[mx.array]:
+        rows = [x[:, i : i + 1] for i in range(x.shape[1])] if split else [x]
+        return [
+            mx.quantized_matmul(r, *w, transpose=True, group_size=group_size, bits=bits)
+            for w in weights
+            for r in rows
+        ]
+
+    row = {}
+    for m in (1, 2, 4):
+        x = mx.random.normal((1, m, k)).astype(mx.bfloat16)
+        t = _timed(lambda x=x: calls(x, False), iters, 3) / len(weights)
+        row[f"M{m}_ms"] = t
+        row[f"M{m}_gb_per_s"] = nbytes / t / 1e6
+        if m == 2:
+            row["M2_as_two_M1_ms"] = _timed(lambda x=x: calls(x, True), iters, 3) / len(weights)
+    return row
+
+
+def sync_latency(iters: int = 50) -> float:
+    """A trivial graph's evaluation: the fixed cost of one synchronising eval."""
+    a = mx.zeros((16,))
+    mx.eval(a)
+    return _timed(lambda: a + 1, iters, 5)
+
+
+def mlx_lm_forward(path: Path, prompt: tuple[int, ...], iters: int, warmup: int) -> dict:
+    """mlx-lm's own forward of 1, 2 and 4 tokens on a warm cache (its recurrence unsplit)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(path))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    out = {}
+    for n in (1, 2, 4):
+        x = mx.array(prompt[:n])[None]
+        out[f"{n}tok_ms"] = _timed(lambda x=x: model(x, cache=cache)[:, -1], iters, warmup)
+    return out
+
+
+async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
+    """Where the verify step and the shard boundaries lose time (no decode benchmark)."""
+    diag: dict[str, Any] = {}
+    report["diagnose"] = diag
+    worker = MLXWorker()
+    diag["sync_latency_ms"] = await worker.run(sync_latency)
+    config = load_model_config(path)
+    diag["qmm"] = await worker.run(qmm_micro, config, args.group_size, args.bits)
+    print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
+    shard = await worker.run(load_shard, path)
+    diag["backbone_ms"] = await worker.run(backbone_shapes, shard, prompt, 30, 5)
+    print(f"  backbone {json.dumps(diag['backbone_ms'])}", flush=True)
+    del shard
+    await worker.run(free_memory)
+    with _recorded(diag, "mlx_lm_error"):
+        diag["mlx_lm_forward"] = await worker.run(mlx_lm_forward, path, prompt, 30, 5)
+        print(f"  mlx-lm forward {json.dumps(diag['mlx_lm_forward'])}", flush=True)
+    await worker.run(free_memory)
+    worker.close()
+    from cluster.local import even_ranges, open_local_engine
+
+    for parts in (1, 3):
+        local = await open_local_engine(path, ranges=even_ranges(config.num_layers, parts))
+        try:
+            await _warm_up(local.engine, prompt)
+            row = {"mtp_off": await engine_decode(local.engine, prompt, args.tokens, 2, False)}
+            previous = install_oracle(0.7, seed=3)
+            try:
+                row["mtp_on"] = await engine_decode(local.engine, prompt, args.tokens, 2, True)
+            finally:
+                restore_decide(previous)
+            diag[f"local_{parts}_shards"] = row
+            print(
+                f"  {parts} shard(s) in one process: off {row['mtp_off']['median_tps']:.1f}, "
+                f"on {row['mtp_on']['median_tps']:.1f} tok/s",
+                flush=True,
+            )
+        finally:
+            await local.worker.run(free_memory)
+            local.close()
+
+
+def _timed(fn: Callable[[], Any], iters: int, warmup: int) -> float:
+    times = []
+    for _ in range(warmup + iters):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return median(times[warmup:]) * 1e3
+
+
+def mlx_lm_decode(path: Path, prompt: tuple[int, ...], tokens: int, repeats: int) -> dict:
+    """mlx-lm's `load` + `stream_generate` (greedy) on the same directory."""
+    from mlx_lm import load, stream_generate
+
+    t0 = time.perf_counter()
+    model, tokenizer = load(str(path))
+    load_s = time.perf_counter() - t0
+    tokenizer.eos_token_ids = set()
+
+    def run(n: int) -> tuple[float, float]:
+        stamps, last = [], None
+        for response in stream_generate(model, tokenizer, list(prompt), max_tokens=n):
+            stamps.append(time.perf_counter())
+            last = response
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), last.generation_tps
+
+    run(16)
+    runs = [run(tokens) for _ in range(repeats)]
+    tps = [r[0] for r in runs]
+    return {
+        "load_s": load_s,
+        "decode_tps": tps,
+        "median_tps": median(tps),
+        "reported_generation_tps": [r[1] for r in runs],
+    }
+
+
+def free_memory() -> None:
+    gc.collect()
+    mx.clear_cache()
+
+
+# ---- the engine: one process, N node processes ---------------------------------------------
+
+
+async def engine_decode(
+    engine: GenerationEngine, prompt: tuple[int, ...], tokens: int, repeats: int, mtp: bool
+) -> dict:
+    outs = []
+    for _ in range(repeats):
+        request = GenerationRequest(prompt, tokens, RequestOptions(mtp=mtp))
+        outs.append(await engine.generate(request))
+    tps = [o.generation_tps for o in outs]
+    drafted = sum(o.drafted for o in outs)
+    return {
+        "decode_tps": tps,
+        "median_tps": median(tps),
+        "tokens": [len(o.tokens) for o in outs],
+        "acceptance": sum(o.accepted for o in outs) / drafted if drafted else None,
+        "steps_per_token": None if not drafted else drafted / sum(len(o.tokens) for o in outs),
+    }
+
+
+async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
+    worker = MLXWorker()
+    t0 = time.perf_counter()
+    shard = await worker.run(load_shard, path)
+    single: dict[str, Any] = {"load_s": time.perf_counter() - t0}
+    report["single"] = single
+    single["weights"] = await worker.run(weight_bytes, shard)
+    single["logits_check"] = await worker.run(logits_check, shard, prompt)
+    print(f"  loaded in {single['load_s']:.1f} s; logits {single['logits_check']}", flush=True)
+    if not single["logits_check"]["finite"]:
+        raise RuntimeError("the random model's logits are not finite")
+    bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
+    single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
+    runner = ShardRunner(shard)
+    single["steps"] = await worker.run(
+        step_times, runner, prompt, args.step_iters, args.step_warmup, 0.7
+    )
+    single["breakdown"] = await worker.run(
+        breakdown, shard, prompt, args.step_iters // 2, args.step_warmup
+    )
+    print(f"  steps {json.dumps(single['steps'])}", flush=True)
+    print(f"  breakdown {json.dumps(single['breakdown'])}", flush=True)
+    max_context = load_model_config(path).max_context
+    pipeline = LocalPipeline([runner], worker, max_context=max_context)
+    engine = GenerationEngine(pipeline)
+    await _warm_up(engine, prompt)
+    single["mtp_off"] = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=False)
+    print(f"  engine mtp off: {single['mtp_off']['median_tps']:.1f} tok/s", flush=True)
+    single["mtp_on"] = {}
+    for alpha in args.alphas:
+        previous = install_oracle(alpha, seed=3)
+        try:
+            row = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=True)
+        finally:
+            restore_decide(previous)
+        row["over_off"] = row["median_tps"] / single["mtp_off"]["median_tps"]
+        single["mtp_on"][str(alpha)] = row
+        print(f"  engine mtp on a={alpha}: {row['median_tps']:.1f} tok/s", flush=True)
+    del engine, pipeline, runner, shard
+    await worker.run(free_memory)
+    worker.close()
+
+
+async def _warm_up(engine: GenerationEngine, prompt: tuple[int, ...]) -> None:
+    for mtp in (False, True):
+        await engine.generate(GenerationRequest(prompt, 16, RequestOptions(mtp=mtp)))
+
+
+async def node_pipeline(
+    args, path: Path, nodes: int, prompt: tuple[int, ...], log: list[str]
+) -> dict:
+    """`nodes` oracle node processes on loopback, driven as `cluster generate --nodes` does."""
+    from node.client import open_remote_engine
+
+    token = secrets.token_hex(16)
+    ports = [free_port() for _ in range(nodes)]
+    procs: list[asyncio.subprocess.Process] = []
+    readers: list[asyncio.Task] = []
+    try:
+        for i, port in enumerate(ports):
+            proc = await asyncio.create_subprocess_exec(
+                *[sys.executable, "-m", "cluster.bench.oracle_node", "--host", "127.0.0.1"],
+                *["--port", str(port), "--token", token, "--accept-rate", str(args.node_alpha)],
+                *["--node-id", f"bench-{i}", "--cache-limit-gb", "2"],
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=REPO,
+            )
+            procs.append(proc)
+        ready = [asyncio.Event() for _ in procs]
+        readers = [
+            asyncio.create_task(_read_lines(p, f"node{i}", log, ready[i]))
+            for i, p in enumerate(procs)
+        ]
+        all_ready = asyncio.ensure_future(asyncio.gather(*(r.wait() for r in ready)))
+        await asyncio.wait([all_ready, *readers], timeout=180, return_when="FIRST_COMPLETED")
+        if not all_ready.done():
+            all_ready.cancel()
+            raise RuntimeError("nodes did not start:\n" + "\n".join(log[-20:]))
+        t0 = time.perf_counter()
+        remote = await open_remote_engine(path, [f"127.0.0.1:{p}" for p in ports], token=token)
+        row: dict[str, Any] = {"nodes": nodes, "load_s": time.perf_counter() - t0}
+        try:
+            await _warm_up(remote.engine, prompt)
+            for key, mtp in (("mtp_off", False), ("mtp_on", True)):
+                row[key] = await engine_decode(
+                    remote.engine, prompt, args.tokens, args.repeats, mtp
+                )
+                infos = [await c.info() for c in remote.pipeline.clients]
+                row[key]["node_step_ms"] = [i.step_latency_ms for i in infos]
+                print(f"  {nodes} nodes {key}: {row[key]['median_tps']:.1f} tok/s", flush=True)
+            row["on_over_off"] = row["mtp_on"]["median_tps"] / row["mtp_off"]["median_tps"]
+        finally:
+            await remote.close()
+        return row
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        for reader in readers:
+            reader.cancel()
+
+
+async def _read_lines(
+    proc: asyncio.subprocess.Process, name: str, log: list[str], ready: asyncio.Event
+) -> None:
+    assert proc.stdout is not None
+    async for raw in proc.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        log.append(f"[{name}] {line}")
+        if "listening on" in line:
+            ready.set()
+    log.append(f"[{name}] exited with {await proc.wait()}")
+    if not ready.is_set():
+        raise RuntimeError(f"{name} exited before listening:\n" + "\n".join(log[-20:]))
+
+
+# ---- mlx-lm's pipeline under mlx.launch ----------------------------------------------------
+
+LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+
+
+def mlx_pipeline(args, path: Path, cpu_comm: bool, timeout_s: float) -> dict:
+    """mlx-lm's pipeline with the ring backend, 2 ranks on loopback; rank 0's figures or the
+    launcher's error."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        command = [
+            *[sys.executable, "-c", LAUNCH, "--backend", "ring", "-n", "2"],
+            *["--hosts", "127.0.0.1", "--starting-port", str(port), "--"],
+            *[sys.executable, "-m", "cluster.bench.gpu_bench", "--pipeline-worker"],
+            *["--dir", str(path), "--json", str(out), "--tokens", str(args.tokens)],
+            *["--repeats", str(args.repeats), "--prompt-len", str(args.prompt_len)],
+            *(["--cpu-comm"] if cpu_comm else []),
+        ]
+        shown = "mlx.launch " + " ".join(command[3:])
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own process group
+            output, _ = proc.communicate()
+            timed_out = True
+        result: dict[str, Any] = {"command": shown, "cpu_comm": cpu_comm, "exit": proc.returncode}
+        if out.is_file():
+            result.update(json.loads(out.read_text()))
+        else:
+            result["error"] = _error_lines(output) or ("timed out" if timed_out else "no output")
+        result["output_tail"] = output[-3000:]
+        return result
+
+
+def _error_lines(output: str) -> str:
+    hits = [
+        line.strip()
+        for line in output.splitlines()
+        if re.search(r"(Error|error:|Exception|has no CUDA|not implemented)", line)
+    ]
+    return "\n".join(dict.fromkeys(hits))[-1500:]
+
+
+def pipeline_worker(args) -> None:
+    """One rank of mlx-lm's pipeline (run by mlx.launch); rank 0 writes the figures."""
+    group = mx.distributed.init(strict=True, backend="ring")
+    mx.set_cache_limit(2 << 30)
+    if args.cpu_comm:
+        _comm_on_cpu()
+    from mlx_lm import stream_generate
+    from mlx_lm.utils import sharded_load
+
+    t0 = time.perf_counter()
+    model, tokenizer = sharded_load(str(args.dir), pipeline_group=group)
+    load_s = time.perf_counter() - t0
+    tokenizer.eos_token_ids = set()
+    vocab = load_model_config(args.dir).text.vocab_size
+    prompt = list(bench_prompt(vocab, args.prompt_len))
+
+    def run(n: int) -> float:
+        stamps = [
+            time.perf_counter() for _ in stream_generate(model, tokenizer, prompt, max_tokens=n)
+        ]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    run(16)
+    tps = [run(args.tokens) for _ in range(args.repeats)]
+    # Each generation leaves one step in flight (mlx-lm evaluates the next step ahead); a rank
+    # that exits with it pending breaks its peer's ring, so all ranks meet here first.
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    if group.rank() == 0:
+        inner = model.model
+        report = {
+            "ranks": group.size(),
+            "rank0_layers": [inner.start_idx, inner.end_idx],
+            "load_s": load_s,
+            "decode_tps": tps,
+            "median_tps": median(tps),
+        }
+        Path(args.json).write_text(json.dumps(report))
+
+
+def _comm_on_cpu() -> None:
+    """Run mlx-lm's send / recv_like / all_gather on the CPU stream, where the ring backend
+    implements them (its GPU side may have none)."""
+    dist = mx.distributed
+    for name in ("send", "recv_like", "all_gather"):
+        original = getattr(dist, name)
+
+        def on_cpu(*a, _original=original, **kw):
+            kw["stream"] = mx.cpu
+            return _original(*a, **kw)
+
+        setattr(dist, name, on_cpu)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _recorded(report: dict, key: str):
+    """Record a phase's failure in the report and go on with the next phase."""
+    try:
+        yield
+    except Exception as error:
+        report[key] = f"{type(error).__name__}: {error}\n" + traceback.format_exc()[-2000:]
+        print(f"  FAILED: {report[key]}", flush=True)
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, name: str, need_s: float, report: dict) -> bool:
+        if self.left() >= need_s:
+            return True
+        report.setdefault("skipped", []).append(
+            f"{name}: {self.left():.0f} s left, {need_s} needed"
+        )
+        print(f"== {name}: skipped ({self.left():.0f} s left)", flush=True)
+        return False
+
+
+def device_name() -> str:
+    try:
+        query = [
+            "nvidia-smi",
+            "--query-gpu=name,memory.total,driver_version",
+            "--format=csv,noheader",
+        ]
+        return subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return str(mx.default_device())
+
+
+async def run(args) -> dict:
+    deadline = Deadline(args.deadline_s)
+    path = args.dir or default_dir(args.shape, args.bits)
+    report: dict[str, Any] = {
+        "benchmark": "gpu_bench",
+        "command": "python -m cluster.bench.gpu_bench " + " ".join(args.argv),
+        "machine": {**machine(), "gpu": device_name()},
+        "shape": args.shape,
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "dir": str(path),
+        "settings": {
+            "tokens": args.tokens,
+            "repeats": args.repeats,
+            "prompt_len": args.prompt_len,
+            "alphas": args.alphas,
+            "node_alpha": args.node_alpha,
+            "step_iters": args.step_iters,
+        },
+    }
+    save = lambda: write_json(args.json, report)  # noqa: E731
+    print(f"== checkpoint {path}", flush=True)
+    worker = MLXWorker()
+    report["checkpoint"] = await worker.run(
+        write_checkpoint, path, args.shape, args.bits, args.group_size, args.seed
+    )
+    await worker.run(free_memory)
+    worker.close()
+    print(f"  {json.dumps(report['checkpoint'])}", flush=True)
+    save()
+    prompt = bench_prompt(load_model_config(path).text.vocab_size, args.prompt_len)
+    if args.diagnose:
+        print("== diagnose", flush=True)
+        with _recorded(report, "diagnose_error"):
+            await diagnose(args, path, prompt, report)
+        save()
+        return report
+
+    print("== one process", flush=True)
+    with _recorded(report, "single_error"):
+        await single_process(args, path, prompt, report)
+    save()
+    if "mlx_lm" not in args.skip and deadline.allows("mlx-lm stream_generate", 60, report):
+        print("== mlx-lm stream_generate", flush=True)
+        worker = MLXWorker()
+        with _recorded(report, "mlx_lm_error"):
+            report["mlx_lm"] = await worker.run(
+                mlx_lm_decode, path, prompt, args.tokens, args.repeats
+            )
+            print(f"  {report['mlx_lm']['median_tps']:.1f} tok/s", flush=True)
+        await worker.run(free_memory)
+        worker.close()
+        save()
+    log: list[str] = []
+    report["nodes"] = {}
+    for n in args.nodes:
+        if "nodes" in args.skip or not deadline.allows(f"{n} nodes", 90, report):
+            continue
+        print(f"== {n} nodes", flush=True)
+        try:
+            report["nodes"][str(n)] = await node_pipeline(args, path, n, prompt, log)
+        except Exception as error:  # keep the other phases' figures
+            report["nodes"][str(n)] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"  failed: {error}", flush=True)
+        save()
+    report["node_log_tail"] = log[-60:]
+    if "pipeline" not in args.skip and deadline.allows("mlx-lm pipeline", 90, report):
+        print("== mlx-lm pipeline (mlx.launch, ring, 2 ranks)", flush=True)
+        attempts = [mlx_pipeline(args, path, False, min(150, deadline.left() - 20))]
+        if "median_tps" not in attempts[0] and deadline.allows("pipeline, comm on CPU", 70, report):
+            print(f"  failed as is: {attempts[0]['error']}", flush=True)
+            attempts.append(mlx_pipeline(args, path, True, min(150, deadline.left() - 10)))
+        report["mlx_pipeline"] = attempts
+        save()
+    summarize(report)
+    save()
+    return report
+
+
+def summarize(report: dict) -> None:
+    """Ratios and the short table that ends the output."""
+    single = report.get("single", {})
+    off = single.get("mtp_off", {}).get("median_tps")
+    on = single.get("mtp_on", {}).get("0.7", {}).get("median_tps")
+    s: dict[str, Any] = {}
+    lines = [
+        f"\nGPU bench: {report['machine']['gpu']} | shape {report['shape']}, "
+        f"{report['bits']}-bit, random weights | {report['machine']['date']}"
+    ]
+    ck = report.get("checkpoint", {})
+    how = "reused" if ck.get("reused") else f"written in {ck.get('seconds', 0):.0f} s"
+    lines.append(f"checkpoint {ck.get('bytes', 0) / 2**30:.2f} GiB ({how})")
+    if "steps" in single:
+        st, bd, bw, wb = (
+            single["steps"],
+            single["breakdown"],
+            single["bandwidth"],
+            single["weights"],
+        )
+        read = wb["layers"] + wb["lm_head"]
+        floor = read / (bw["gb_per_s"] * 1e9) * 1e3
+        s["plain_floor_ms"] = floor
+        lines.append(
+            f"copy bandwidth {bw['gb_per_s']:.0f} GB/s; plain step reads "
+            f"{read / 1e9:.2f} GB -> floor {floor:.2f} ms"
+        )
+        lines.append(
+            f"step (ShardRunner.run, whole model): plain {st['plain']['median_ms']:.2f} ms, "
+            f"verify [y,d] {st['verify']['median_ms']:.2f} ms -> "
+            f"{st['verify_over_plain']:.2f}x"
+        )
+        b1, b2 = bd["backbone_1tok"], bd["backbone_2tok"]
+        lines.append(
+            f"  backbone 1 tok {b1['total_ms']:.2f} ms (graph build {b1['build_ms']:.2f}), "
+            f"2 tok {b2['total_ms']:.2f} ms (build {b2['build_ms']:.2f}); "
+            f"lm_head+argmax {bd['lm_head_argmax_ms']:.2f} ms; "
+            f"MTP head {bd.get('mtp_head_ms', float('nan')):.2f} ms"
+        )
+    if off:
+        row = f"engine, 1 process: MTP off {off:.1f} tok/s"
+        for alpha, r in single["mtp_on"].items():
+            row += f" | on a={alpha} {r['median_tps']:.1f} ({r['over_off']:.2f}x)"
+        lines.append(row)
+        s["single_on_over_off_0.7"] = on / off if on else None
+    lm = report.get("mlx_lm", {}).get("median_tps")
+    if lm and off and on:
+        s["single_off_over_mlx_lm"] = off / lm
+        lines.append(
+            f"mlx-lm stream_generate {lm:.1f} tok/s; ours MTP off / mlx-lm {off / lm:.2f}x, "
+            f"MTP on a=0.7 / mlx-lm {on / lm:.2f}x"
+        )
+    for n, row in report.get("nodes", {}).items():
+        if "error" in row or not (off and on):
+            lines.append(f"{n} nodes: {row.get('error', 'no single-process figure')!s:.300}")
+            continue
+        a, b = row["mtp_off"]["median_tps"], row["mtp_on"]["median_tps"]
+        s[f"nodes{n}_off_over_single"] = a / off
+        s[f"nodes{n}_on_over_single"] = b / on
+        s[f"nodes{n}_on_over_off"] = b / a
+        lines.append(
+            f"{n} nodes: off {a:.1f} tok/s ({a / off:.2f}x 1 proc), on a=0.7 {b:.1f} "
+            f"({b / on:.2f}x 1 proc), on/off {b / a:.2f}x; node step ms "
+            f"{[round(x, 2) for x in row['mtp_off']['node_step_ms']]}"
+        )
+    for attempt in report.get("mlx_pipeline", []):
+        how = "comm on CPU stream" if attempt["cpu_comm"] else "as is"
+        if "median_tps" in attempt:
+            ours = report.get("nodes", {}).get("2", {}).get("mtp_off", {}).get("median_tps")
+            rel = f"; ours 2 nodes MTP off / it {ours / attempt['median_tps']:.2f}x" if ours else ""
+            s[f"mlx_pipeline_{'cpu' if attempt['cpu_comm'] else 'gpu'}_tps"] = attempt["median_tps"]
+            lines.append(
+                f"mlx-lm pipeline ring 2 ranks ({how}): {attempt['median_tps']:.1f} tok/s{rel}"
+            )
+        else:
+            lines.append(f"mlx-lm pipeline ring 2 ranks ({how}): FAILED: {attempt['error'][:300]}")
+    for skipped in report.get("skipped", []):
+        lines.append(f"skipped {skipped}")
+    report["summary"] = s
+    print("\n".join(lines), flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.bench.gpu_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_5_27b")
+    parser.add_argument("--bits", type=int, choices=(4, 8, 16), default=4, help="16: bf16")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint dir (default: tmpfs)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant (median)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--step-iters", type=int, default=60)
+    parser.add_argument("--step-warmup", type=int, default=8)
+    parser.add_argument(
+        "--alphas", type=lambda s: [float(a) for a in s.split(",")], default=[0.5, 0.7, 0.9]
+    )
+    parser.add_argument("--node-alpha", type=float, default=0.7)
+    parser.add_argument("--nodes", type=lambda s: [int(n) for n in s.split(",")], default=[2, 3])
+    parser.add_argument(
+        "--skip",
+        type=lambda s: set(s.split(",")),
+        default=set(),
+        help="phases to leave out: mlx_lm,nodes,pipeline",
+    )
+    parser.add_argument("--deadline-s", type=float, default=500)
+    parser.add_argument("--cache-limit-gb", type=float, default=8)
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="only the diagnosis: quantized matmul by rows, the backbone by step shape, "
+        "mlx-lm's forward, the engine over 1 and 3 in-process shards",
+    )
+    parser.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-comm", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.pipeline_worker:
+        pipeline_worker(args)
+        return 0
+    mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
+    started = time.perf_counter()
+    asyncio.run(run(args))
+    print(f"({time.perf_counter() - started:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,573 @@
+"""Aggregate tokens/s at 1, 2, 4 and 8 concurrent streaming requests (issue 4).
+
+    python -m cluster.bench.http_bench [--json OUT] [--rounds 3] [--max-tokens 64]
+
+Three ways of serving the same requests, each measured at every concurrency level, the order
+of (way, level) shuffled in each round:
+
+  http     `cluster up --local 3`: streaming `/v1/completions` (SSE) through the coordinator
+           and its 3 local nodes, the way a client sees it
+  direct   the engine over 3 other local nodes (`open_remote_engine`) with the layer ranges
+           the coordinator placed, no HTTP, no coordinator: what the HTTP layer and the
+           coordinator add is http over direct
+  local    the in-process engine (`open_local_engine`): what batching gains without any
+           process boundary; its scaling is the engine's ceiling on this machine
+
+Every request samples (temperature 0.7) with its own fixed seed, picked at the start so that
+it decodes all its tokens without a stop token (the same seeds for every way and round), up to
+--max-tokens tokens, MTP on; a trial starts `c` requests at once. Aggregate tokens/s is the
+trial's completion tokens over its wall time; ratios are to 1 request of the same way in the
+same round (medians over rounds). Time to first token is the median over every request of a
+level (HTTP: the first SSE event, which the API sends once the first token is decoded).
+
+Where the time goes: around each http trial the bench reads every node's Info
+(`step_latency_ms`: the mean compute time of its last 100 step batches; `steps_total`: step
+messages received). A node's batches are about the messages its successor received (the
+tail's: at most its own messages), so its busy share of the trial is about
+batches x step latency / wall; the busiest node sets the pace. Then, interleaved call by
+call, one decode step over 8 requests against 1: mlx-lm's forward (the hardware's own
+batching ceiling) and the engine's whole-model shard with MTP and without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import mlx.core as mx
+
+from cluster.bench.common import (
+    CODE_PROMPTS,
+    SAMPLED_TEMPERATURE,
+    LocalNodes,
+    default_model,
+    free_port,
+    load_tokenizer,
+    machine,
+    median,
+    paired_ratios,
+    spread,
+    stop,
+    write_json,
+)
+from cluster.config import load_model_config
+from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.local import open_local_engine
+from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from coordinator.api import stop_token_ids
+from node.client import NodeClient, open_remote_engine
+
+WAYS = ("http", "direct", "local")
+TEXT_PROMPTS = [p for p in CODE_PROMPTS if not p.startswith("CHAT:")]
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    way: str
+    level: int
+    round: int
+    wall_s: float
+    tokens: int
+    ttft_s: list[float]
+    nodes: list[dict] = field(default_factory=list)  # http only: Info deltas per node
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall_s
+
+
+# ---- the cluster of `cluster up --local 3` ----
+
+
+class ClusterUp:
+    """`cluster up --local N` in a child process; stopped with Ctrl-C's signal on exit."""
+
+    def __init__(self, count: int, model_dir: Path, token: str):
+        self.count, self.model_dir, self.token = count, model_dir, token
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.node_ports: list[int] = []
+
+    def __enter__(self) -> ClusterUp:
+        env = {**os.environ, "CLUSTER_TOKEN": self.token}
+        command = [
+            sys.executable,
+            "-m",
+            "cluster",
+            "up",
+            "--local",
+            str(self.count),
+            "--port",
+            str(self.port),
+            "--model",
+            str(self.model_dir),
+        ]
+        self.proc = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                if match := re.search(r"local node\(s\) on ports ([\d, ]+)", line):
+                    self.node_ports = [int(p) for p in match.group(1).split(",")]
+                if "OpenAI endpoint" in line:
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(120):
+            self.__exit__()
+            raise RuntimeError("`cluster up` did not come up within 120 s")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # Ctrl-C: it stops its own nodes
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                stop([self.proc])
+
+
+# ---- one trial of each way ----
+
+
+async def http_request(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, seed: int
+) -> tuple[int, float]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": SAMPLED_TEMPERATURE,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first, tokens = None, 0
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            if first is None:
+                first = time.perf_counter() - start
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"the stream failed: {event['error']}")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return tokens, first if first is not None else float("nan")
+
+
+async def engine_request(
+    engine: GenerationEngine,
+    ids: tuple[int, ...],
+    max_tokens: int,
+    seed: int,
+    stops: frozenset[int],
+) -> tuple[int, float]:
+    options = RequestOptions(SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=seed))
+    request = GenerationRequest(ids, max_tokens, options, stops)
+    start, first, tokens = time.perf_counter(), None, 0
+    async for chunk in engine.stream(request):
+        if first is None:
+            first = time.perf_counter() - start
+        tokens += len(chunk.tokens)
+    return tokens, first
+
+
+async def node_infos(clients: list[NodeClient]) -> list[dict]:
+    infos = await asyncio.gather(*(c.info() for c in clients))
+    return [
+        {"node": i.node_id, "steps_total": i.steps_total, "step_latency_ms": i.step_latency_ms}
+        for i in infos
+    ]
+
+
+class Runner:
+    def __init__(self, args, tokenizer, session, cluster, engines, clients):
+        self.args, self.session, self.cluster = args, session, cluster
+        self.engines, self.clients = engines, clients
+        self.prompts = TEXT_PROMPTS
+        self.ids = [tuple(tokenizer.encode(p)) for p in self.prompts]
+        self.stops = stop_token_ids(tokenizer)
+        self.seeds: list[int] = []
+
+    async def pick_seeds(self, count: int) -> None:
+        """For request i (prompt i % 3), the first seed with which the in-process engine
+        decodes --max-tokens tokens without a stop token; every way and round then uses it."""
+        seeds: dict[int, int] = {}
+        candidate = 0
+        while len(seeds) < count:
+            candidate += 1
+            todo = [i for i in range(count) if i not in seeds]
+            done = await asyncio.gather(
+                *(
+                    engine_request(
+                        self.engines["local"],
+                        self.ids[i % len(self.ids)],
+                        self.args.max_tokens,
+                        1000 * i + candidate,
+                        self.stops,
+                    )
+                    for i in todo
+                )
+            )
+            for i, (tokens, _) in zip(todo, done, strict=True):
+                if tokens == self.args.max_tokens:
+                    seeds[i] = 1000 * i + candidate
+        self.seeds = [seeds[i] for i in range(count)]
+
+    async def trial(self, way: str, level: int, rnd: int) -> Trial:
+        def job(i: int):
+            seed = self.seeds[i]
+            p = i % len(self.prompts)
+            if way == "http":
+                return http_request(
+                    self.session, self.cluster.url, self.prompts[p], self.args.max_tokens, seed
+                )
+            return engine_request(
+                self.engines[way], self.ids[p], self.args.max_tokens, seed, self.stops
+            )
+
+        before = await node_infos(self.clients) if way == "http" else []
+        start = time.perf_counter()
+        done = await asyncio.gather(*(job(i) for i in range(level)))
+        wall = time.perf_counter() - start
+        nodes = []
+        if way == "http":
+            after = await node_infos(self.clients)
+            nodes = [
+                {
+                    "node": a["node"],
+                    "steps": a["steps_total"] - b["steps_total"],
+                    "step_latency_ms": a["step_latency_ms"],
+                }
+                for a, b in zip(after, before, strict=True)
+            ]
+        return Trial(way, level, rnd, wall, sum(t for t, _ in done), [f for _, f in done], nodes)
+
+
+async def measure(args, model_dir: Path) -> tuple[list[Trial], list[int], list[dict]]:
+    tokenizer = load_tokenizer(model_dir)
+    token = os.urandom(16).hex()
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = stack.enter_context(ClusterUp(3, model_dir, token))
+        nodes = stack.enter_context(LocalNodes(3))
+        local = await open_local_engine(model_dir, mtp=True)
+        stack.callback(local.close)
+        timeout = aiohttp.ClientTimeout(total=300)
+        connector = aiohttp.TCPConnector(limit=0)
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(timeout=timeout, connector=connector)
+        )
+        await wait_healthy(session, cluster.url)
+        placed = await placement(session, cluster.url)
+        ranges = [(n["start"], n["end"]) for n in placed]
+        print(f"  placement: {ranges}", flush=True)
+        remote = await open_remote_engine(
+            model_dir, nodes.addresses, token=nodes.token, ranges=ranges
+        )
+        stack.push_async_callback(remote.close)
+        # the pipeline's nodes, head first
+        clients = [NodeClient(n["address"], token) for n in placed]
+        for client in clients:
+            stack.push_async_callback(client.close)
+        runner = Runner(
+            args,
+            tokenizer,
+            session,
+            cluster,
+            {"direct": remote.engine, "local": local.engine},
+            clients,
+        )
+        await runner.pick_seeds(max(args.levels))
+        for way in WAYS:  # warm up every path
+            await runner.trial(way, 2, -1)
+        trials: list[Trial] = []
+        rng = random.Random(4)
+        for rnd in range(args.rounds):
+            order = [(w, c) for w in WAYS for c in args.levels]
+            rng.shuffle(order)
+            for way, level in order:
+                trials.append(await runner.trial(way, level, rnd))
+            print(f"  round {rnd} done", flush=True)
+        return trials, runner.seeds, placed
+
+
+async def placement(session: aiohttp.ClientSession, url: str) -> list[dict]:
+    """The coordinator's pipeline, head first (from /api/cluster)."""
+    async with session.get(f"{url}/api/cluster") as response:
+        nodes = (await response.json())["nodes"]
+    placed = [n for n in nodes if n["end"] > n["start"]]
+    return sorted(placed, key=lambda n: n["start"])
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(f"{url}/health") as response:
+                if response.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health is not ok after {timeout_s} s")
+        await asyncio.sleep(0.5)
+
+
+# ---- batching ceilings: one decode step over 8 requests against 1 ----
+
+
+class _Batch:
+    """`size` live requests on a bare whole-model `ShardRunner`, stepped together."""
+
+    def __init__(self, runner, ids, size: int, mtp: bool, name: str):
+        options = RequestOptions(SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=1), mtp=mtp)
+        self.runner, self.mtp = runner, mtp
+        self.steps = [StepRequest(f"{name}-{i}", ids, 0, options=options) for i in range(size)]
+        self.results = runner.run(self.steps).results
+
+    def __call__(self) -> float:
+        steps = []
+        for step, result in zip(self.steps, self.results, strict=True):
+            draft = result.draft if self.mtp else None
+            tokens = (result.tokens[-1],) if draft is None else (result.tokens[-1], draft)
+            steps.append(
+                StepRequest(
+                    step.request_id,
+                    tokens,
+                    step.position + result.keep,
+                    draft_len=len(tokens) - 1,
+                    rollback=len(step.tokens) - result.keep,
+                )
+            )
+        t0 = time.perf_counter()
+        self.results = self.runner.run(steps).results
+        elapsed = time.perf_counter() - t0
+        self.steps = steps
+        return elapsed
+
+
+class _LMBatch:
+    """mlx-lm's decode forward over `size` sequences (B = size, L = 1) on a warm cache."""
+
+    def __init__(self, model, ids, size: int):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.token, self.size = model, ids[-1], size
+        self.cache = make_prompt_cache(model)
+        mx.eval(model(mx.repeat(mx.array(ids)[None], size, axis=0), cache=self.cache))
+
+    def __call__(self) -> float:
+        x = mx.full((self.size, 1), self.token, dtype=mx.int32)
+        t0 = time.perf_counter()
+        mx.eval(self.model(x, cache=self.cache))
+        return time.perf_counter() - t0
+
+
+def batch_costs(model_dir: Path, batch: int, iters: int) -> dict:
+    """One decode step over `batch` requests against 1, the kinds interleaved call by call:
+    mlx-lm's forward (the hardware's own batching ceiling) and the engine's whole-model shard
+    (layers, tail, sampling; with MTP: [y, d] per request, verify and draft)."""
+    from mlx_lm import load
+
+    from cluster.loading import load_shard
+    from cluster.runner import ShardRunner
+    from cluster.shard import ShardSpec
+
+    model, tokenizer = load(str(model_dir))
+    ids = tuple(tokenizer.encode(TEXT_PROMPTS[0]))
+    runner = ShardRunner(
+        load_shard(model_dir, ShardSpec.whole(load_model_config(model_dir).num_layers))
+    )
+    kinds = {}
+    for size in (1, batch):
+        kinds[f"mlx-lm forward, {size}"] = _LMBatch(model, ids, size)
+        kinds[f"engine MTP step, {size}"] = _Batch(runner, ids, size, True, f"m{size}")
+        kinds[f"engine plain step, {size}"] = _Batch(runner, ids, size, False, f"p{size}")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    rng = random.Random(5)
+    for i in range(iters + 3):
+        order = list(kinds)
+        rng.shuffle(order)
+        for kind in order:
+            elapsed = kinds[kind]()
+            if i >= 3:
+                times[kind].append(elapsed)
+    ms = {k: median(v) * 1e3 for k, v in times.items()}
+    out = {"batch": batch, "iters": iters, "median_ms": ms}
+    for name in ("mlx-lm forward", "engine MTP step", "engine plain step"):
+        ratio = ms[f"{name}, {batch}"] / ms[f"{name}, 1"]
+        out[name] = {"cost_ratio": ratio, "ceiling": batch / ratio}
+    return out
+
+
+# ---- report ----
+
+
+def node_load(trials: list[Trial]) -> dict:
+    """Per node (head first): step latency, messages in, and busy share of the trial."""
+    per_node: dict[str, dict[str, list[float]]] = {}
+    for t in trials:
+        for k, n in enumerate(t.nodes):
+            batches = t.nodes[k + 1]["steps"] if k + 1 < len(t.nodes) else n["steps"]
+            row = per_node.setdefault(n["node"], {"lat": [], "steps": [], "busy": []})
+            row["lat"].append(n["step_latency_ms"])
+            row["steps"].append(n["steps"])
+            row["busy"].append(batches * n["step_latency_ms"] / 1e3 / t.wall_s)
+    return {
+        node: {
+            "step_latency_ms": median(v["lat"]),
+            "steps_per_trial": median(v["steps"]),
+            "busy": median(v["busy"]),
+        }
+        for node, v in per_node.items()
+    }
+
+
+def summarize(trials: list[Trial], levels: list[int]) -> dict:
+    out: dict = {}
+    for way in WAYS:
+        rows = {}
+        ones = {t.round: t.tps for t in trials if t.way == way and t.level == 1}
+        for level in levels:
+            mine = [t for t in trials if t.way == way and t.level == level]
+            ratios = [t.tps / ones[t.round] for t in mine if t.round in ones]
+            rows[level] = {
+                "tps": median(t.tps for t in mine),
+                "over_one": median(ratios),
+                "over_one_iqr": spread(ratios) if ratios else None,
+                "ttft_ms": median(f * 1e3 for t in mine for f in t.ttft_s),
+                "tokens_per_request": median(t.tokens / level for t in mine),
+            }
+            if way == "http":
+                rows[level]["nodes"] = node_load(mine)
+        out[way] = rows
+    http_direct = {}
+    for level in levels:
+        pairs = [
+            (h.tps, d.tps)
+            for h in trials
+            for d in trials
+            if h.way == "http"
+            and d.way == "direct"
+            and h.level == d.level == level
+            and h.round == d.round
+        ]
+        http_direct[level] = median(paired_ratios([h for h, _ in pairs], [d for _, d in pairs]))
+    out["http_over_direct"] = http_direct
+    return out
+
+
+def print_report(summary: dict, batch_cost: dict, placed: list[dict], args) -> None:
+    layers = ", ".join(f"{n['node_id']} [{n['start']}, {n['end']})" for n in placed)
+    print(f"\nplacement (coordinator's, also used by direct): {layers}")
+    print(
+        f"\naggregate tokens/s, {args.max_tokens} tokens per request, temperature "
+        f"{SAMPLED_TEMPERATURE}, MTP on, {args.rounds} rounds (medians; ratios to 1 request "
+        "of the same way and round, IQR in brackets)"
+    )
+    print(f"{'way':<7} {'conc':>4} {'tokens/s':>9} {'over 1':>18} {'TTFT ms':>8} {'tok/req':>7}")
+    for way in WAYS:
+        for level, row in summary[way].items():
+            iqr = row["over_one_iqr"]
+            cell = f"{row['over_one']:.2f} [{iqr[0]:.2f}-{iqr[1]:.2f}]" if iqr else "-"
+            print(
+                f"{way:<7} {level:>4} {row['tps']:>9.1f} {cell:>18} {row['ttft_ms']:>8.0f} "
+                f"{row['tokens_per_request']:>7.0f}"
+            )
+    print(
+        "http over direct (what HTTP + coordinator cost): "
+        + ", ".join(f"{c}: {r:.2f}" for c, r in summary["http_over_direct"].items())
+    )
+    print(
+        "http nodes, head first: step latency ms (mean of its last 100 batches) / "
+        "step messages in / busy share of the trial"
+    )
+    for level, row in summary["http"].items():
+        cells = [
+            f"{n}: {v['step_latency_ms']:.1f} / {v['steps_per_trial']:.0f} / {v['busy']:.0%}"
+            for n, v in row["nodes"].items()
+        ]
+        print(f"  {level} concurrent: " + "   ".join(cells))
+    b = batch_cost["batch"]
+    print(
+        f"one decode step over {b} requests against 1 (interleaved, medians), and the "
+        f"aggregate speedup at {b} concurrent that this allows (ceiling = {b} / cost)"
+    )
+    for name in ("mlx-lm forward", "engine plain step", "engine MTP step"):
+        row = batch_cost[name]
+        print(
+            f"  {name:<18} {batch_cost['median_ms'][f'{name}, 1']:7.1f} ms -> "
+            f"{batch_cost['median_ms'][f'{name}, {b}']:7.1f} ms: {row['cost_ratio']:.2f}x, "
+            f"ceiling {row['ceiling']:.2f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.bench.http_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--levels", default="1,2,4,8")
+    parser.add_argument("--batch-iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    args.levels = [int(c) for c in args.levels.split(",")]
+    model_dir = args.model or default_model()
+    started = time.perf_counter()
+    trials, seeds, placed = asyncio.run(measure(args, model_dir))
+    batch_cost = batch_costs(model_dir, max(args.levels), args.batch_iters)
+    summary = summarize(trials, args.levels)
+    print_report(summary, batch_cost, placed, args)
+    print(f"({time.perf_counter() - started:.0f} s)")
+    write_json(
+        args.json,
+        {
+            "benchmark": "http_bench",
+            "command": "python -m cluster.bench.http_bench "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": machine(),
+            "model": str(model_dir),
+            "settings": {
+                "rounds": args.rounds,
+                "max_tokens": args.max_tokens,
+                "levels": args.levels,
+                "temperature": SAMPLED_TEMPERATURE,
+                "prompts": TEXT_PROMPTS,
+            },
+            "summary": summary,
+            "batch_costs": batch_cost,
+            "seeds": seeds,
+            "placement": placed,
+            "trials": [asdict(t) | {"tps": t.tps} for t in trials],
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

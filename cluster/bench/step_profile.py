@@ -1,0 +1,129 @@
+"""Where one decode step's time goes: the layers against the tail, with and without MTP.
+
+    python -m cluster.bench.step_profile [--json OUT] [--iters 30] [--batch 8]
+
+A bare whole-model `ShardRunner` steps live requests by hand (sampled, temperature 0.7), for
+4 kinds interleaved call by call: 1 request and --batch requests, MTP off and on. For each
+step it times the whole `ShardRunner.run`, the decoder layers (evaluated on their own,
+which adds one sync the real step does not have) and the tail's `finish` (lm_head,
+sampling, verification, the MTP head and its draft). Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from cluster.bench.common import default_model, load_tokenizer, machine, median, write_json
+from cluster.bench.http_bench import TEXT_PROMPTS, _Batch
+from cluster.config import load_model_config
+from cluster.loading import load_shard
+from cluster.runner import ShardRunner
+from cluster.shard import ShardSpec
+
+
+class _TimedShard:
+    """The runner's shard, its forward evaluated and timed; everything else passes through."""
+
+    def __init__(self, shard, times: dict[str, float]):
+        self._shard, self._times = shard, times
+
+    def __call__(self, x, segments):
+        t0 = time.perf_counter()
+        out = self._shard(x, segments)
+        mx.eval(out)
+        self._times["layers"] = time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._shard, name)
+
+
+def _timed_finish(finish, times: dict[str, float]):
+    def timed(*args):
+        t0 = time.perf_counter()
+        out = finish(*args)
+        times["tail"] = time.perf_counter() - t0
+        return out
+
+    return timed
+
+
+def profile(model_dir: Path, batch: int, iters: int) -> dict:
+    runner = ShardRunner(
+        load_shard(model_dir, ShardSpec.whole(load_model_config(model_dir).num_layers))
+    )
+    parts: dict[str, float] = {}
+    runner.shard = _TimedShard(runner.shard, parts)
+    runner.tail.finish = _timed_finish(runner.tail.finish, parts)
+    ids = tuple(load_tokenizer(model_dir).encode(TEXT_PROMPTS[0]))
+    kinds = {
+        (size, mtp): _Batch(runner, ids, size, mtp, f"{size}-{mtp}")
+        for size in (1, batch)
+        for mtp in (False, True)
+    }
+    samples: dict[tuple[int, bool], dict[str, list[float]]] = {k: {} for k in kinds}
+    rng = random.Random(6)
+    for i in range(iters + 3):
+        order = list(kinds)
+        rng.shuffle(order)
+        for kind in order:
+            parts.clear()
+            parts["step"] = kinds[kind]()
+            if i >= 3:
+                for name, value in parts.items():
+                    samples[kind].setdefault(name, []).append(value)
+    rows = []
+    for (size, mtp), by_part in samples.items():
+        ms = {name: median(v) * 1e3 for name, v in by_part.items()}
+        rows.append({"requests": size, "mtp": mtp, **ms})
+    plain1 = next(r for r in rows if r["requests"] == 1 and not r["mtp"])
+    for row in rows:
+        row["layers_over_plain1"] = row["layers"] / plain1["layers"]
+        row["tail_over_plain1"] = row["tail"] / plain1["tail"]
+        row["tail_share"] = row["tail"] / (row["layers"] + row["tail"])
+    return {"batch": batch, "iters": iters, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.bench.step_profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    model_dir = args.model or default_model()
+    report = profile(model_dir, args.batch, args.iters)
+    print("one decode step, sampled 0.7 (medians; relative to 1 request without MTP)")
+    print(f"{'requests':>8} {'MTP':>4} {'layers':>8} {'tail':>8} {'tail share':>10}")
+    for r in report["rows"]:
+        print(
+            f"{r['requests']:>8} {('on' if r['mtp'] else 'off'):>4} "
+            f"{r['layers_over_plain1']:>7.2f}x {r['tail_over_plain1']:>7.2f}x "
+            f"{r['tail_share']:>10.0%}"
+        )
+    write_json(
+        args.json,
+        {
+            "benchmark": "step_profile",
+            "command": "python -m cluster.bench.step_profile "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": machine(),
+            "model": str(model_dir),
+            **report,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
