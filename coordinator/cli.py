@@ -93,6 +93,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_node_command(port: int, node_id: str) -> list[str]:
+    """A node daemon on loopback (its token comes from CLUSTER_TOKEN in its environment)."""
+    return [sys.executable, "-m", "cluster", "node", "--host", "127.0.0.1", "--port", str(port),
+            "--node-id", node_id, "--no-advertise"]  # fmt: skip
+
+
 def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
     for proc, port in zip(procs, ports, strict=True):
@@ -128,23 +134,7 @@ def up_command(count: int, model_dir: Path | None, port: int, layers: str | None
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     ports = [_free_port() for _ in range(count)]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cluster",
-                "node",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(p),
-                "--node-id",
-                f"local-{i}",
-                "--no-advertise",
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+        subprocess.Popen(local_node_command(p, f"local-{i}"), env=env, stdout=subprocess.DEVNULL)
         for i, p in enumerate(ports)
     ]
     try:

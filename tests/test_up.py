@@ -18,15 +18,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+
+from tests.daemons import free_port, wait_until
 
 START_DEADLINE_S = 60.0
 DOWN_DEADLINE_MS = 15_000  # heartbeat every 1 s, down after 3 s, the page polls every 1 s
@@ -37,22 +38,6 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
 _ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
 _NODE_PORTS = re.compile(r"local node\(s\) on ports ([\d, ]+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(condition: Callable[[], Any], what: str, deadline_s: float = 20.0) -> Any:
-    """Poll `condition` until it returns something truthy; fail after `deadline_s`."""
-    deadline = time.monotonic() + deadline_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 # --- processes, found through /proc (no psutil) ------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from cluster.config import bundled_model_path
+from coordinator.cli import local_node_command
 
 # Code prompts in the style the bundled model was trained on (CPython's standard library);
 # the last is its chat form ("Show me the source of NAME").
@@ -162,21 +163,7 @@ class LocalNodes:
 
 
 def node_command(port: int, token: str, node_id: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "cluster",
-        "node",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--token",
-        token,
-        "--node-id",
-        node_id,
-        "--no-advertise",
-    ]
+    return [*local_node_command(port, node_id), "--token", token]
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
