@@ -91,7 +91,7 @@ def test_sampling_round_trip_keeps_zero_temperature():
     for s in [
         SamplingParams(),
         SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0),
-        SamplingParams(temperature=0.7, top_p=0.95, top_k=20, min_p=0.05, seed=-12345),
+        SamplingParams(temperature=0.7, top_p=0.95, top_k=20, min_p=0.05, seed=12345),
         SamplingParams(temperature=1e-3, top_p=1e-9, top_k=1, min_p=0.999, seed=2**62),
     ]:
         m = _over_the_wire(wire.sampling_to_proto(s))
