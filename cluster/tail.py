@@ -10,8 +10,8 @@ Only the tail turns hidden states into tokens. For each request of a step it
 All of it is one lazy graph and one device sync for the whole batch. Step 3 cannot wait for
 the verdict of step 2 without a second sync, so for a step [y, d] the MTP head is fed both
 pairs it may need, (h_y, d-or-correction) and (h_d, bonus), with the token chosen on the
-device; it drafts from both positions; once the verdict is read, a rejection trims the second
-pair from the MTP cache and keeps the draft made after the first.
+device; the draft comes from the position the verdict picks, also on the device (one lm_head
+row); once the verdict is read, a rejection trims the second pair from the MTP cache.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ class _Job:
     logprobs: mx.array | None = None  # the model's own, at the rows where tokens are due
     mtp_tokens: mx.array | None = None  # the tokens paired with `mtp_hidden`
     mtp_hidden: mx.array | None = None  # [1, pairs, hidden]
-    drafts: list[tuple[mx.array, mx.array]] | None = None  # (token, logprobs) per candidate
+    draft: tuple[mx.array, mx.array] | None = None  # the next draft and its distribution
 
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
         out += [self.logprobs] if self.logprobs is not None else []
-        return out + [a for pair in self.drafts or () for a in pair]
+        return out + list(self.draft or ())
 
 
 class Tail:
@@ -157,21 +157,26 @@ class Tail:
         tokens = mx.concatenate([j.mtp_tokens for j in jobs])[None]
         out = self.shard.mtp(self.shard.embed(tokens), hidden, segments)
         ends = list(itertools.accumulate(job.mtp_tokens.size for job in jobs))
-        # A draft after each position where the last emitted token may stand.
-        rows, owners = [], []
+        # The draft comes after the position where the last emitted token stands: for a step
+        # with k drafts, the one after the accepted prefix, picked on the device.
+        rows = []
+        drafting = [job for job in jobs if job.candidates is not None]
         for job, end in zip(jobs, ends, strict=True):
             if job.candidates is None:
                 continue
-            candidates = job.step.draft_len + 1 if job.step.draft_len else 1
-            rows.extend(range(end - candidates, end))
-            owners.extend([job] * candidates)
+            if job.step.draft_len:
+                k = job.step.draft_len
+                accepted = mx.cumprod(job.candidates.accept.astype(mx.uint32)).sum()
+                rows.append(out[0, end - k - 1 : end][accepted])
+            else:
+                rows.append(out[0, end - 1])
         if not rows:
             return
-        logits = self.shard.logits(out[0, mx.array(rows)])
-        for i, job in enumerate(owners):
+        logits = self.shard.logits(mx.stack(rows))
+        for i, job in enumerate(drafting):
             params = job.state.options.sampling
             q = log_probs(logits[i], params)
-            job.drafts = [*(job.drafts or []), (sample(q, params, job.state.rng), q)]
+            job.draft = (sample(q, params, job.state.rng), q)
 
     def _conclude(self, job: _Job) -> StepResult:
         """Read the verdict (after the sync): tokens, what stays, the draft that holds."""
@@ -179,17 +184,17 @@ class Tail:
         if job.candidates is None:
             return StepResult(step.request_id, (), len(step.tokens))
         emitted, accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
-        if job.drafts is not None:
+        if job.draft is not None:
             rejected = step.draft_len - accepted
             if rejected:  # the pair after the rejected draft never happened
                 state.mtp_cache.rollback(rejected)
-            token, state.draft_logprobs = job.drafts[accepted]
+            token, state.draft_logprobs = job.draft
             state.draft = int(token.item())
         logprobs = None
         if job.logprobs is not None:  # emitted token j was predicted at row j
             logprobs = tuple(job.logprobs[j, t].item() for j, t in enumerate(emitted))
         keep = step.n_confirmed + accepted
         return StepResult(
-            step.request_id, emitted, keep, state.draft if job.drafts else None,
+            step.request_id, emitted, keep, state.draft if job.draft else None,
             step.draft_len, accepted, logprobs,
         )  # fmt: skip
