@@ -41,11 +41,6 @@ class FootprintError(ValueError):
     """A model directory whose size cannot be worked out (names the file or field at fault)."""
 
 
-def bundled_model_path() -> Path:
-    """The tiny trained Qwen3.5 shipped with the package: the default of `cluster plan`."""
-    return Path(__file__).parent / "assets" / "qwen3_5-tiny-mtp"
-
-
 @dataclass(frozen=True, slots=True)
 class ModelFootprint:
     """The bytes a model needs, split the way placement splits the model.

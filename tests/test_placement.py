@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cluster.footprint import ModelFootprint, bundled_model_path
+from cluster.config import bundled_model_path
+from cluster.footprint import ModelFootprint
 from cluster.placement import (
     SAFETY_MARGIN,
     NodeCapacity,
