@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Protocol
+from collections.abc import Callable, Collection
+from typing import Protocol, TypeVar
 
 from cluster.messages import RequestError, StepRequest, StepResult
 from cluster.runner import ShardRunner
 from cluster.worker import MLXWorker
+
+T = TypeVar("T")
 
 
 class Pipeline(Protocol):
@@ -28,21 +31,24 @@ class Pipeline(Protocol):
 
 
 def take_batch(
-    queue: deque[tuple[StepRequest, asyncio.Future]], limit: int
-) -> list[tuple[StepRequest, asyncio.Future]]:
-    """The oldest queued steps, at most one per request (a request's next chunk waits for the
-    next batch) and at most `limit` positions (the first step is always taken)."""
-    batch, seen, deferred, positions = [], set(), [], 0
+    queue: deque[T], limit: int, ids: Callable[[T], Collection[str]], size: Callable[[T], int]
+) -> list[T]:
+    """The oldest queued items to run as one batch: at most one step per request (a request's
+    next chunk waits for the next batch) and at most `limit` positions (the first item is
+    always taken). The rest stay queued, in order. Shared by the local pipeline and nodes."""
+    batch: list[T] = []
+    seen: set[str] = set()
+    deferred: list[T] = []
+    positions = 0
     while queue:
-        step, future = queue.popleft()
-        if future.done():  # its submitter was cancelled
+        item = queue.popleft()
+        item_ids, item_size = ids(item), size(item)
+        if not seen.isdisjoint(item_ids) or (batch and positions + item_size > limit):
+            deferred.append(item)
             continue
-        if step.request_id in seen or (batch and positions + len(step.tokens) > limit):
-            deferred.append((step, future))
-            continue
-        seen.add(step.request_id)
-        positions += len(step.tokens)
-        batch.append((step, future))
+        seen.update(item_ids)
+        positions += item_size
+        batch.append(item)
     queue.extendleft(reversed(deferred))
     return batch
 
@@ -86,7 +92,14 @@ class LocalPipeline:
     async def _drain(self) -> None:
         while self._queue:
             await asyncio.sleep(0)  # let concurrent submitters join the batch
-            batch = take_batch(self._queue, self.max_batch_positions)
+            # A cancelled submitter's step is dropped, not computed.
+            self._queue = deque(item for item in self._queue if not item[1].done())
+            batch = take_batch(
+                self._queue,
+                self.max_batch_positions,
+                ids=lambda item: (item[0].request_id,),
+                size=lambda item: len(item[0].tokens),
+            )
             if not batch:
                 continue
             steps = [step for step, _ in batch]

@@ -21,6 +21,7 @@ import grpc
 import mlx.core as mx
 
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
+from cluster.pipeline import take_batch
 from cluster.runner import CacheBudgetError, ShardRunner
 from cluster.wire import (
     WireError,
@@ -81,8 +82,6 @@ class _Inbound:
 @dataclass(slots=True)
 class StageStats:
     messages_in: int = 0
-    messages_out: int = 0
-    batches: int = 0
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
 
     @property
@@ -164,25 +163,18 @@ class Stage:
                     self.subscribers.fail(rids, grpc.StatusCode.INTERNAL, "step failed on node")
 
     def _take(self) -> list[_Inbound]:
-        """Queued messages to run together: at most one step per request, in arrival order."""
-        taken, seen, deferred, positions = [], set(), [], 0
-        while self._inbound:
-            item = self._inbound.popleft()
-            size = sum(len(e.tokens) for e in item.message.entries)
-            if item.request_ids & seen or (taken and positions + size > self.max_batch_positions):
-                deferred.append(item)
-                continue
-            taken.append(item)
-            seen |= item.request_ids
-            positions += size
-        self._inbound.extendleft(reversed(deferred))
-        return taken
+        """Queued messages to run together, in arrival order (cluster.pipeline.take_batch)."""
+        return take_batch(
+            self._inbound,
+            self.max_batch_positions,
+            ids=lambda item: item.request_ids,
+            size=lambda item: sum(len(e.tokens) for e in item.message.entries),
+        )
 
     async def _process(self, batch: list[_Inbound]) -> None:
         started = time.perf_counter()
         output, errors = await self.worker.run(self._compute, batch)
         self.stats.latencies_ms.append((time.perf_counter() - started) * 1000)
-        self.stats.batches += 1
         if errors:
             self.subscribers.publish(results_to_proto([], errors))
         if output is None:
@@ -192,7 +184,6 @@ class Stage:
             return
         try:
             await self.downstream.send(output)
-            self.stats.messages_out += 1
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, OSError) as error:
             await self.downstream.close()
             rids = [entry.request_id for entry in output.entries]
