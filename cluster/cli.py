@@ -114,7 +114,7 @@ def _register_commands() -> None:
     for command in (node_command, plan, coordinator_command, up_command, status_command):
         main.add_command(command)
     try:
-        from cluster.convert import convert_command
+        from cluster.model.convert import convert_command
     except ImportError:
         return
     main.add_command(convert_command, "convert")

@@ -9,7 +9,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.config import load_model_config
-from cluster.engine import GenerationChunk, GenerationEngine, GenerationRequest
+from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine, parse_layers
 from cluster.messages import RequestOptions
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from cluster.config import ModelConfig, load_model_config
-from cluster.engine import GenerationEngine
-from cluster.loading import load_shard
-from cluster.pipeline import LocalPipeline
-from cluster.runner import ShardRunner
-from cluster.shard import ShardSpec
-from cluster.worker import MLXWorker
+from cluster.decode.engine import GenerationEngine
+from cluster.decode.pipeline import LocalPipeline
+from cluster.decode.runner import ShardRunner
+from cluster.decode.worker import MLXWorker
+from cluster.model.loading import load_shard
+from cluster.model.shard import ShardSpec
 
 
 def shard_specs(ranges: list[tuple[int, int]]) -> list[ShardSpec]:

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.footprint import ModelFootprint
+from cluster.model.footprint import ModelFootprint
 
 SAFETY_MARGIN = 0.10  # of each node's free memory, never planned for
 DEFAULT_BANDWIDTH_GBPS = 100.0

@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 from jinja2 import TemplateError
 
-from cluster.engine import GenerationChunk, GenerationRequest
+from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
 from coordinator.metrics import ClusterView, RequestCounters, cluster_json, render_prometheus
@@ -56,7 +56,7 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Engine(Protocol):
-    """The part of `cluster.engine.GenerationEngine` the API uses."""
+    """The part of `cluster.decode.engine.GenerationEngine` the API uses."""
 
     @property
     def max_context(self) -> int: ...

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from cluster.config import bundled_model_path
-from cluster.footprint import FootprintError, ModelFootprint
+from cluster.model.footprint import FootprintError, ModelFootprint
 from cluster.placement import DEFAULT_BANDWIDTH_GBPS, NodeCapacity, PlacementError, plan_placement
 
 GIB = 1 << 30

@@ -18,8 +18,8 @@ from pathlib import Path
 from aiohttp import web
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from cluster.engine import GenerationChunk, GenerationEngine, GenerationRequest
-from cluster.footprint import ModelFootprint
+from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
+from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app

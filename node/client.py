@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from cluster.config import load_model_config
-from cluster.engine import GenerationEngine
+from cluster.decode.engine import GenerationEngine
 from cluster.local import even_ranges, shard_specs
 from cluster.messages import RequestError, StepRequest, StepResult
 from cluster.wire import results_from_proto, step_batch_to_proto
@@ -91,7 +91,7 @@ class NodeClient:
 
 
 class RemotePipeline:
-    """`cluster.pipeline.Pipeline` over node daemons (head first, tail last)."""
+    """`cluster.decode.pipeline.Pipeline` over node daemons (head first, tail last)."""
 
     def __init__(
         self,

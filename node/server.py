@@ -24,12 +24,12 @@ from mlx.utils import tree_flatten
 
 from cluster import __version__
 from cluster.config import ModelDirError
-from cluster.loading import load_shard
+from cluster.decode.runner import ShardRunner
+from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError
-from cluster.runner import ShardRunner
-from cluster.shard import ShardSpec
+from cluster.model.loading import load_shard
+from cluster.model.shard import ShardSpec
 from cluster.wire import grpc_server_options
-from cluster.worker import MLXWorker
 from node.auth import TLSConfig, TokenInterceptor
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb

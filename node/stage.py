@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 import grpc
 import mlx.core as mx
 
+from cluster.decode.pipeline import take_batch
+from cluster.decode.runner import CacheBudgetError, ShardRunner
+from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
-from cluster.pipeline import take_batch
-from cluster.runner import CacheBudgetError, ShardRunner
 from cluster.wire import (
     WireError,
     results_to_proto,
     step_batch_from_proto,
     step_batch_to_proto,
 )
-from cluster.worker import MLXWorker
 from node.auth import TLSConfig, open_channel, token_metadata
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -163,7 +163,7 @@ class Stage:
                     self.subscribers.fail(rids, grpc.StatusCode.INTERNAL, "step failed on node")
 
     def _take(self) -> list[_Inbound]:
-        """Queued messages to run together, in arrival order (cluster.pipeline.take_batch)."""
+        """Queued messages to run together, in arrival order (`take_batch`)."""
         return take_batch(
             self._inbound,
             self.max_batch_positions,

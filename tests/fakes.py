@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.engine import GenerationChunk, GenerationRequest
+from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app

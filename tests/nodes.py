@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.engine import GenerationEngine
+from cluster.decode.engine import GenerationEngine
 from node.auth import token_metadata
 from node.client import NodeClient, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb

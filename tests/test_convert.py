@@ -1,4 +1,4 @@
-"""cluster.convert: Hugging Face (or MLX) checkpoints to MLX directories that keep `mtp.*`.
+"""cluster.model.convert: Hugging Face (or MLX) checkpoints to MLX directories that keep `mtp.*`.
 
 Quantized models run with float32 activations here (`load_shard(dtype=mx.float32)`): MLX's CPU
 quantized matmul is several times slower in bf16, and the tests measure quantization error,
@@ -21,15 +21,15 @@ from conftest import CODE_PROMPTS, run
 from mlx.utils import tree_flatten
 from test_loading import forward, params, raw_tensors, spec
 
-import cluster.convert as convert_module
+import cluster.model.convert as convert_module
 from cluster.config import ModelDirError, load_model_config
-from cluster.convert import ConvertError, convert, convert_command
-from cluster.engine import GenerationEngine, GenerationRequest
-from cluster.loading import load_shard
-from cluster.pipeline import LocalPipeline
-from cluster.runner import ShardRunner
-from cluster.shard import ModelShard, ShardSpec
-from cluster.worker import MLXWorker
+from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.pipeline import LocalPipeline
+from cluster.decode.runner import ShardRunner
+from cluster.decode.worker import MLXWorker
+from cluster.model.convert import ConvertError, convert, convert_command
+from cluster.model.loading import load_shard
+from cluster.model.shard import ModelShard, ShardSpec
 
 BITS = {"bf16": None, "q8": 8, "q4": 4}
 

@@ -11,7 +11,7 @@ from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
 
-from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import bundled_model_path
-from cluster.footprint import FootprintError, ModelFootprint, read_safetensors_header_sizes
+from cluster.model.footprint import FootprintError, ModelFootprint, read_safetensors_header_sizes
 
 TEXT_CONFIG = {
     "num_hidden_layers": 4,

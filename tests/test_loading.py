@@ -1,4 +1,4 @@
-"""cluster.loading: whole models and shards, both layouts, only a shard's tensors, bad inputs."""
+"""cluster.model.loading: whole models and shards, both layouts, a shard's tensors, bad inputs."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, make_checkpoint
 from mlx.utils import tree_flatten
 
-from cluster.cache import RequestCache
 from cluster.config import ModelDirError
-from cluster.layers import Segment
-from cluster.loading import load_shard, shard_tensor_names
-from cluster.shard import ModelShard, ShardSpec
+from cluster.model.cache import RequestCache
+from cluster.model.layers import Segment
+from cluster.model.loading import load_shard, shard_tensor_names
+from cluster.model.shard import ModelShard, ShardSpec
 
 TOKENS = [607, 547, 201, 607, 649, 581, 537, 2251, 10, 1662]
 
@@ -248,7 +248,7 @@ def test_declared_mtp_without_tensors_loads_without_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ckpt = make_checkpoint(tmp_path, moe=True, with_mtp=False)
-    with caplog.at_level(logging.WARNING, logger="cluster.loading"):
+    with caplog.at_level(logging.WARNING, logger="cluster.model.loading"):
         shard = load_shard(ckpt)
     assert not shard.has_mtp and not hasattr(shard, "mtp")
     assert any("mtp" in r.getMessage().lower() for r in caplog.records)
@@ -292,7 +292,7 @@ def test_mlx_lm_conversion_loads_without_mtp(
 ) -> None:
     ckpt = make_checkpoint(tmp_path / "hf", moe=True)
     converted = mlx_lm_convert(ckpt, tmp_path / "mlx")
-    with caplog.at_level(logging.WARNING, logger="cluster.loading"):
+    with caplog.at_level(logging.WARNING, logger="cluster.model.loading"):
         shard = load_shard(converted)
     assert not shard.has_mtp and any("mtp" in r.getMessage() for r in caplog.records)
     reference = load_shard(ckpt, mtp=False)

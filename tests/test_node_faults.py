@@ -20,7 +20,7 @@ import pytest
 from conftest import CODE_PROMPTS, run
 from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
-from cluster.engine import GenerationOutput, GenerationRequest
+from cluster.decode.engine import GenerationOutput, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions
 from cluster.wire import MAX_MESSAGE_BYTES, grpc_channel_options

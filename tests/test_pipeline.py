@@ -15,7 +15,7 @@ from checkpoints import make_checkpoint
 from conftest import CODE_PROMPTS, run
 from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
-from cluster.engine import GenerationEngine, GenerationOutput, GenerationRequest
+from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from cluster.local import even_ranges, open_local_engine
 from cluster.messages import RequestOptions, SamplingParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from cluster.pipeline import take_batch
+from cluster.decode.pipeline import take_batch
 
 
 def _take(queue: deque[tuple[str, int]], limit: int) -> list[tuple[str, int]]:

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from cluster.config import bundled_model_path
-from cluster.footprint import ModelFootprint
+from cluster.model.footprint import ModelFootprint
 from cluster.placement import (
     SAFETY_MARGIN,
     NodeCapacity,

@@ -8,9 +8,9 @@ import pytest
 from conftest import CODE_PROMPTS
 from mlx_lm.models.cache import KVCache
 
-from cluster.loading import load_shard
+from cluster.decode.runner import ShardRunner
 from cluster.messages import RequestError, StepRequest
-from cluster.runner import ShardRunner
+from cluster.model.loading import load_shard
 
 
 @pytest.fixture(scope="module")

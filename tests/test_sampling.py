@@ -11,11 +11,11 @@ import pytest
 from conftest import run
 from scipy.stats import chi2_contingency
 
-import cluster.verify as verify
-from cluster.engine import GenerationRequest
+import cluster.decode.verify as verify
+from cluster.decode.engine import GenerationRequest
+from cluster.decode.sampling import RequestRandom, log_probs, sample
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams
-from cluster.sampling import RequestRandom, log_probs, sample
 
 DRAWS = 800
 PROMPT = "import os\nimport sys\n\n\ndef "
@@ -122,6 +122,6 @@ def test_mtp_sampling_is_distributed_as_plain_sampling(model_dir, tokenizer, mon
         c = real_propose(target, drafts, draft_logprobs, params, rng)
         return verify.Candidates(c.target, mx.ones_like(c.accept), c.correction) if drafts else c
 
-    monkeypatch.setattr("cluster.tail.propose", accept_all)
+    monkeypatch.setattr("cluster.decode.tail.propose", accept_all)
     biased = run(_second_and_third_tokens(model_dir, tokenizer, mtp=True, seed0=2 * 10**6))
     assert _homogeneity_pvalue(plain[0], biased[0]) < 1e-3

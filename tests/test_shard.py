@@ -9,10 +9,10 @@ from conftest import CODE_PROMPTS
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
-from cluster.cache import RequestCache
-from cluster.layers import Segment
-from cluster.loading import load_shard
-from cluster.shard import ModelShard, ShardSpec
+from cluster.model.cache import RequestCache
+from cluster.model.layers import Segment
+from cluster.model.loading import load_shard
+from cluster.model.shard import ModelShard, ShardSpec
 
 
 def _logits(shards: list[ModelShard], tokens: list[int]) -> np.ndarray:

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from conftest import CODE_PROMPTS, run
 
-from cluster.engine import GenerationRequest
+from cluster.decode.engine import GenerationRequest
 from cluster.local import open_local_engine
 from node.auth import TLSConfig
 from node.client import NodeClient, NodeUnavailable, open_remote_engine

@@ -26,7 +26,7 @@ sampling, verification and the MTP draft). With acceptance a, MTP emits 1 + a to
 step, so its speedup is (1 + a) / (MTP step / plain step); this prediction is printed
 beside the end-to-end ratio.
 
-Part 3, when `cluster.convert` exists: MTP acceptance of the model converted to 8 and 4
+Part 3, when `cluster.model.convert` exists: MTP acceptance of the model converted to 8 and 4
 bits, on the same prompts and seeds.
 """
 
@@ -56,7 +56,7 @@ from cluster.bench.common import (
     write_json,
 )
 from cluster.config import load_model_config
-from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
 
@@ -252,9 +252,9 @@ class _LMForward:
 
 def step_costs(model_dir: Path, lm_model, ids: tuple[int, ...], iters: int) -> dict:
     """Median time of one decode step of each kind, the kinds interleaved call by call."""
-    from cluster.loading import load_shard
-    from cluster.runner import ShardRunner
-    from cluster.shard import ShardSpec
+    from cluster.decode.runner import ShardRunner
+    from cluster.model.loading import load_shard
+    from cluster.model.shard import ShardSpec
 
     num_layers = load_model_config(model_dir).num_layers
     runner = ShardRunner(load_shard(model_dir, ShardSpec.whole(num_layers)))
@@ -289,9 +289,9 @@ def step_costs(model_dir: Path, lm_model, ids: tuple[int, ...], iters: int) -> d
 
 async def quantized_acceptance(args, model_dir: Path, prompts) -> dict:
     try:
-        from cluster.convert import convert
+        from cluster.model.convert import convert
     except ImportError as error:
-        return {"skipped": f"cluster.convert is not importable: {error}"}
+        return {"skipped": f"cluster.model.convert is not importable: {error}"}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"bf16": model_dir}

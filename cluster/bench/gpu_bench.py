@@ -7,7 +7,7 @@
    248320, untied lm_head, one MTP layer) in the MLX layout, quantized like an MLX-converted
    model (`mtp.fc` and the norms unquantized, as `cluster convert` leaves them), with its
    `mtp.*` tensors and a synthetic word-level tokenizer of the full vocabulary, one layer at a
-   time (memory: one layer plus the embedding). `cluster.loading.load_shard` and `mlx_lm.load`
+   time (memory: one layer plus the embedding). `cluster.model.loading.load_shard` and `mlx_lm.load`
    both read it. The logits of a prompt are checked to be finite.
 2. In this process, on one MLX worker thread: the copy bandwidth; `ShardRunner.run` over the
    whole model for a plain one-token step and for a verify step `[y, d]` (MTP head included),
@@ -58,16 +58,16 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.bench.common import free_port, machine, median, spread, write_json
 from cluster.bench.oracle_node import install_oracle, restore_decide
-from cluster.cache import RequestCache
 from cluster.config import ModelConfig, load_model_config
-from cluster.engine import GenerationEngine, GenerationRequest
-from cluster.layers import Segment
-from cluster.loading import load_shard
+from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.pipeline import LocalPipeline
+from cluster.decode.runner import ShardRunner
+from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestOptions, StepRequest
-from cluster.pipeline import LocalPipeline
-from cluster.runner import ShardRunner
-from cluster.shard import ModelShard, ShardSpec
-from cluster.worker import MLXWorker
+from cluster.model.cache import RequestCache
+from cluster.model.layers import Segment
+from cluster.model.loading import load_shard
+from cluster.model.shard import ModelShard, ShardSpec
 
 REPO = Path(__file__).resolve().parents[2]
 ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}

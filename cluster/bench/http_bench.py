@@ -64,7 +64,7 @@ from cluster.bench.common import (
     write_json,
 )
 from cluster.config import load_model_config
-from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
 from coordinator.api import stop_token_ids
@@ -390,9 +390,9 @@ def batch_costs(model_dir: Path, batch: int, iters: int) -> dict:
     (layers, tail, sampling; with MTP: [y, d] per request, verify and draft)."""
     from mlx_lm import load
 
-    from cluster.loading import load_shard
-    from cluster.runner import ShardRunner
-    from cluster.shard import ShardSpec
+    from cluster.decode.runner import ShardRunner
+    from cluster.model.loading import load_shard
+    from cluster.model.shard import ShardSpec
 
     model, tokenizer = load(str(model_dir))
     ids = tuple(tokenizer.encode(TEXT_PROMPTS[0]))

@@ -2,17 +2,17 @@
 
     python -m cluster.bench.memory_bench [--json OUT] [--repeats 3]
 
-Each case loads one shard (`cluster.loading.load_shard`, as a node's LoadShard does) in a
+Each case loads one shard (`cluster.model.loading.load_shard`, as a node's LoadShard does) in a
 fresh subprocess and reports, after the load:
   active   mx.get_active_memory() growth: the arrays MLX holds
   peak     mx.get_peak_memory() growth: the most held at once while loading
   rss      the process's resident set growth (/proc/self/statm), which also counts
            allocator slack and mapped file pages
 against the shard's own bytes: the sizes of exactly the tensors it reads
-(`cluster.loading.shard_tensor_names`), from the safetensors headers. Target: active over
+(`cluster.model.loading.shard_tensor_names`), from the safetensors headers. Target: active over
 shard bytes <= 1.1. Cases: the head [0, 3), the tail [3, 8) (with lm_head, the MTP head and
 its embedding) and the whole model, bf16; and the whole model converted to 8 and 4 bits
-(when `cluster.convert` exists). Medians over --repeats fresh processes.
+(when `cluster.model.convert` exists). Medians over --repeats fresh processes.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def rss_bytes() -> int:
 
 
 def shard_bytes(model_dir: Path, start: int, end: int, num_layers: int) -> int:
-    from cluster.footprint import read_safetensors_header_sizes
-    from cluster.loading import CheckpointIndex, shard_tensor_names
-    from cluster.shard import ShardSpec
+    from cluster.model.footprint import read_safetensors_header_sizes
+    from cluster.model.loading import CheckpointIndex, shard_tensor_names
+    from cluster.model.shard import ShardSpec
 
     spec = ShardSpec(start, end, start == 0, end == num_layers)
     index = CheckpointIndex.read(model_dir)
@@ -56,8 +56,8 @@ def child(model_dir: Path, start: int, end: int) -> dict:
     from mlx.utils import tree_flatten
 
     from cluster.config import load_model_config
-    from cluster.loading import load_shard
-    from cluster.shard import ShardSpec
+    from cluster.model.loading import load_shard
+    from cluster.model.shard import ShardSpec
 
     num_layers = load_model_config(model_dir).num_layers
     spec = ShardSpec(start, end, start == 0, end == num_layers)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = {"bf16": model_dir}
         if not args.no_quantized:
             try:
-                from cluster.convert import convert
+                from cluster.model.convert import convert
             except ImportError:
                 convert = None
             if convert is not None:

@@ -4,7 +4,7 @@
 
 A model with random weights drafts tokens its backbone almost never agrees with, so its real
 acceptance says nothing about speed. This node replaces the tail's draft decision
-(`cluster.tail.decide`) by an oracle that accepts each draft with probability `--accept-rate`
+(`cluster.decode.tail.decide`) by an oracle that accepts each draft with probability `--accept-rate`
 and otherwise emits the target's correction. Everything else is the real per-token path: the
 MTP head still drafts, every node still computes `[y, d]`, snapshots its GatedDeltaNet state
 and, on a rejection, restores it and trims its KV cache. Only the tail's decision is patched;
@@ -21,14 +21,14 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-import cluster.tail
-from cluster.verify import Candidates
+import cluster.decode.tail
+from cluster.decode.verify import Candidates
 
 Decide = Callable[[Candidates, tuple[int, ...]], tuple[tuple[int, ...], int]]
 
 
 def oracle_decide(accept_rate: float, seed: int = 0) -> Decide:
-    """`cluster.verify.decide` with the draft's fate drawn at `accept_rate` instead of read
+    """`cluster.decode.verify.decide` with the draft's fate drawn at `accept_rate` instead of read
     from the target distribution. The emitted tokens come from the same evaluated candidates
     (accepted drafts, then the target's bonus token or the correction)."""
     if not 0.0 <= accept_rate <= 1.0:
@@ -50,13 +50,13 @@ def oracle_decide(accept_rate: float, seed: int = 0) -> Decide:
 
 def install_oracle(accept_rate: float, seed: int = 0) -> Decide:
     """Patch the tail of this process; returns the decision it replaced."""
-    previous = cluster.tail.decide
-    cluster.tail.decide = oracle_decide(accept_rate, seed)
+    previous = cluster.decode.tail.decide
+    cluster.decode.tail.decide = oracle_decide(accept_rate, seed)
     return previous
 
 
 def restore_decide(previous: Decide) -> None:
-    cluster.tail.decide = previous
+    cluster.decode.tail.decide = previous
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,7 +48,7 @@ from cluster.bench.common import (
 )
 from cluster.bench.ring_baseline import run_ring
 from cluster.config import load_model_config
-from cluster.engine import GenerationEngine, GenerationRequest
+from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import even_ranges, open_local_engine
 from cluster.messages import RequestOptions, SamplingParams
 from node.client import open_remote_engine

@@ -22,9 +22,9 @@ import mlx.core as mx
 from cluster.bench.common import default_model, load_tokenizer, machine, median, write_json
 from cluster.bench.http_bench import TEXT_PROMPTS, _Batch
 from cluster.config import load_model_config
-from cluster.loading import load_shard
-from cluster.runner import ShardRunner
-from cluster.shard import ShardSpec
+from cluster.decode.runner import ShardRunner
+from cluster.model.loading import load_shard
+from cluster.model.shard import ShardSpec
 
 
 class _TimedShard:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from cluster.decode.sampling import RequestRandom, draw, sample
 from cluster.messages import SamplingParams
-from cluster.sampling import RequestRandom, draw, sample
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
-from cluster.layers import PackedDecoderLayer, Segment
+from cluster.model.layers import PackedDecoderLayer, Segment
 
 
 class MTPHead(nn.Module):

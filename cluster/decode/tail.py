@@ -3,7 +3,7 @@
 Only the tail turns hidden states into tokens. For each request of a step it
 1. computes logits at the last confirmed position and at each draft (one lm_head matmul for
    the whole batch),
-2. samples or verifies (cluster.verify), which fixes how many of the step's positions stay,
+2. samples or verifies (cluster.decode.verify), which fixes how many of the step's positions stay,
 3. feeds the MTP head the newly confirmed (hidden state, next token) pairs and drafts the
    token after the last emitted one.
 
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from cluster.cache import RequestCache
-from cluster.layers import Segment
+from cluster.decode.sampling import RequestRandom, log_probs, sample
+from cluster.decode.verify import Candidates, decide, propose
 from cluster.messages import RequestOptions, SamplingParams, StepRequest, StepResult
-from cluster.sampling import RequestRandom, log_probs, sample
-from cluster.shard import ModelShard
-from cluster.verify import Candidates, decide, propose
+from cluster.model.cache import RequestCache
+from cluster.model.layers import Segment
+from cluster.model.shard import ModelShard
 
 _PLAIN = SamplingParams()  # greedy params: log_probs gives the model's own distribution
 

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
-from cluster.shard import ModelShard, ShardSpec
+from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
 

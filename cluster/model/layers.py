@@ -28,7 +28,7 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
-from cluster.cache import RequestCache
+from cluster.model.cache import RequestCache
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from cluster.cache import RequestCache
-from cluster.layers import Segment
+from cluster.decode.tail import Tail, TailRequest
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
-from cluster.shard import ModelShard
-from cluster.tail import Tail, TailRequest
+from cluster.model.cache import RequestCache
+from cluster.model.layers import Segment
+from cluster.model.shard import ModelShard
 
 log = logging.getLogger(__name__)
 

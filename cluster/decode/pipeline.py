@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Protocol, TypeVar
 
+from cluster.decode.runner import ShardRunner
+from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, StepResult
-from cluster.runner import ShardRunner
-from cluster.worker import MLXWorker
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster.config import ModelConfig
-from cluster.layers import PackedDecoderLayer, Segment
-from cluster.mtp import MTPHead
+from cluster.model.layers import PackedDecoderLayer, Segment
+from cluster.model.mtp import MTPHead
 
 ASYNC_EVAL_EVERY = 8  # layers
 

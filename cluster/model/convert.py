@@ -8,7 +8,7 @@ mlx-lm's own conversion drops, in the same already-sanitized layout:
     language_model.model.layers.{i}.<...>         language_model.lm_head.weight (untied)
     mtp.fc.weight, mtp.pre_fc_norm_*, mtp.layers.0.<...>, mtp.norm.weight
 
-The tensors go through `cluster.loading.load_shard`, one decoder layer at a time: the raw
+The tensors go through `cluster.model.loading.load_shard`, one decoder layer at a time: the raw
 Hugging Face transform (norms shifted once, conv1d transposed, experts stacked into
 `switch_mlp`) and the completeness and shape checks are the loader's own, and the memory of a
 conversion is one layer plus one output file. The source may be a raw Hugging Face
@@ -47,8 +47,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
-from cluster.loading import CheckpointIndex, load_shard
-from cluster.shard import ModelShard, ShardSpec
+from cluster.model.loading import CheckpointIndex, load_shard
+from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
 

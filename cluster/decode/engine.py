@@ -16,8 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from cluster.decode.pipeline import Pipeline
 from cluster.messages import RequestError, RequestOptions, StepRequest, StepResult
-from cluster.pipeline import Pipeline
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""Decoding: the engine, the pipelines it drives, the tail's sampling and verification."""
