@@ -65,6 +65,10 @@ class StepRequest:
     them so that a rejection can be undone. `rollback` is the trim-and-restore signal of the
     previous step: drop that many of its trailing positions before computing this one. It rides
     on the step so that a rejection costs no message of its own.
+
+    `next_token` is set on the last chunk of a replay's prefill (a request re-prefilled on a
+    new pipeline after a node loss): the token after the chunk is already known, so the tail
+    samples nothing and only makes the MTP draft that the request was about to verify.
     """
 
     request_id: str
@@ -74,10 +78,13 @@ class StepRequest:
     rollback: int = 0
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
     options: RequestOptions | None = None  # set on the first step of a request only
+    next_token: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise RequestError("a step needs at least one token")
+        if self.next_token is not None and (self.sample or self.draft_len):
+            raise RequestError("a step with a next_token samples nothing and has no draft")
         if self.position < 0 or self.rollback < 0:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):

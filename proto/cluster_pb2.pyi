@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,11 @@ class NodeInfo(_message.Message):
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_CACHE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -68,10 +73,15 @@ class NodeInfo(_message.Message):
     steps_total: int
     step_latency_ms: float
     uptime_s: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    epoch: int
+    mlx_active_bytes: int
+    mlx_cache_bytes: int
+    mlx_peak_bytes: int
+    mlx_cache_limit_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "epoch")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +91,7 @@ class LoadShardRequest(_message.Message):
     NEXT_NODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
     end: int
@@ -90,7 +101,8 @@ class LoadShardRequest(_message.Message):
     next_node: str
     cache_budget_bytes: int
     model_id: str
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -117,7 +129,7 @@ class RequestOptions(_message.Message):
     def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options")
+    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "next_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +137,7 @@ class StepEntry(_message.Message):
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     position: int
@@ -132,17 +145,20 @@ class StepEntry(_message.Message):
     rollback: int
     sample: bool
     options: RequestOptions
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ...) -> None: ...
+    next_token: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("entries", "hidden", "sequence")
+    __slots__ = ("entries", "hidden", "sequence", "epoch")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
     hidden: Tensor
     sequence: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StepEvent(_message.Message):
     __slots__ = ("sequence",)
@@ -185,12 +201,14 @@ class StepError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
-    __slots__ = ("results", "errors")
+    __slots__ = ("results", "errors", "epoch")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ResultEntry]
     errors: _containers.RepeatedCompositeFieldContainer[StepError]
-    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

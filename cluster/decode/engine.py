@@ -42,6 +42,20 @@ class GenerationChunk:
     drafted: int  # cumulative
     accepted: int  # cumulative
     logprobs: tuple[float, ...] | None = None  # of `tokens`, when the request asked for them
+    draft: int | None = None  # the MTP draft the next step verifies (what a resume needs)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a request stood when its pipeline failed: what it emitted, the draft its next
+    step was to verify, and the draft counts so far. `GenerationEngine.stream(request,
+    resume=...)` re-prefills prompt + emitted on the engine's (new) pipeline and continues
+    with exactly the tokens the request would have produced (greedy, or seeded sampling)."""
+
+    emitted: tuple[int, ...] = ()
+    draft: int | None = None
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,33 +78,43 @@ class GenerationEngine:
     def max_context(self) -> int:
         return self.pipeline.max_context
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def stream(
+        self, request: GenerationRequest, resume: ResumePoint | None = None
+    ) -> AsyncIterator[GenerationChunk]:
         """Yield tokens as the pipeline emits them. Closing the generator early cancels the
-        request; its state is released on every shard in all cases."""
+        request; its state is released on every shard in all cases. With `resume`, the
+        request continues after the tokens it emitted before (which are not yielded again)."""
         if len(request.prompt) + request.max_tokens > self.max_context:
             raise RequestError(
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) "
                 f"exceeds the context of {self.max_context} tokens"
             )
+        resume = resume or ResumePoint()
+        # One pipeline for the whole run: the coordinator may swap in a new one meanwhile.
+        pipeline = self.pipeline
         # Each run has its own id on the shards: nodes refuse a released id, and a caller may
         # well run the same request twice.
         rid = f"{request.request_id}.{uuid.uuid4().hex[:8]}"
         try:
-            step, result = await self._prefill(rid, request)
-            produced = drafted = accepted = 0
+            if resume.emitted:
+                step, result = await self._resume(pipeline, rid, request, resume)
+            else:
+                step, result = await self._prefill(pipeline, rid, request.prompt, request)
+            produced, drafted, accepted = len(resume.emitted), resume.drafted, resume.accepted
             while True:
                 drafted += result.drafted
                 accepted += result.accepted
                 tokens, finish = _cut(result.tokens, request, produced)
                 produced += len(tokens)
                 logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
-                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs)
+                draft = result.draft if request.options.mtp else None
+                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs, draft)
                 if finish:
                     return
                 step = self._next_step(step, result, request.options.mtp)
-                result = await self.pipeline.submit(step)
+                result = await pipeline.submit(step)
         finally:
-            await asyncio.shield(self.pipeline.release(rid))
+            await asyncio.shield(pipeline.release(rid))
 
     async def generate(
         self,
@@ -122,21 +146,27 @@ class GenerationEngine:
         )
 
     async def _prefill(
-        self, rid: str, request: GenerationRequest
+        self,
+        pipeline: Pipeline,
+        rid: str,
+        prompt: tuple[int, ...],
+        request: GenerationRequest,
+        next_token: int | None = None,
     ) -> tuple[StepRequest, StepResult]:
-        prompt, size = request.prompt, self.prefill_chunk
+        size = self.prefill_chunk
         steps = [
             StepRequest(
                 rid,
                 prompt[i : i + size],
                 position=i,
-                sample=i + size >= len(prompt),
+                sample=i + size >= len(prompt) and next_token is None,
                 options=request.options if i == 0 else None,
+                next_token=next_token if i + size >= len(prompt) else None,
             )
             for i in range(0, len(prompt), size)
         ]
         # Submitted together: a later chunk can enter the head while an earlier one runs on.
-        pending = [asyncio.ensure_future(self.pipeline.submit(s)) for s in steps]
+        pending = [asyncio.ensure_future(pipeline.submit(s)) for s in steps]
         try:
             results = await asyncio.gather(*pending)
         except BaseException:
@@ -144,6 +174,31 @@ class GenerationEngine:
                 future.cancel()
             raise
         return steps[-1], results[-1]
+
+    async def _resume(
+        self, pipeline: Pipeline, rid: str, request: GenerationRequest, resume: ResumePoint
+    ) -> tuple[StepRequest, StepResult]:
+        """Re-prefill prompt + emitted and take the step the request was about to take.
+
+        Without a pending draft, that step is the one sampling the token after the emitted
+        ones: a prefill of prompt + emitted ending in a sampled chunk is exactly it. With a
+        draft, the request's next step was [last emitted, draft]: the prefill stops before
+        the last emitted token and passes it as `next_token`, so the tail makes the draft
+        again (its random number is keyed by position) and the step [last, draft] follows as
+        it would have."""
+        tokens = request.prompt + resume.emitted
+        if resume.draft is None or not request.options.mtp:
+            return await self._prefill(pipeline, rid, tokens, request)
+        last = tokens[-1]
+        _, made = await self._prefill(pipeline, rid, tokens[:-1], request, next_token=last)
+        draft = made.draft
+        step = StepRequest(
+            rid,
+            (last,) if draft is None else (last, draft),
+            position=len(tokens) - 1,
+            draft_len=0 if draft is None else 1,
+        )
+        return step, await pipeline.submit(step)
 
     @staticmethod
     def _next_step(step: StepRequest, result: StepResult, mtp: bool) -> StepRequest:

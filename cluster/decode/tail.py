@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from cluster.decode.sampling import RequestRandom, log_probs, sample
+from cluster.decode.sampling import DRAFT, RequestRandom, log_probs, sample_with
 from cluster.decode.verify import Candidates, decide, propose
 from cluster.messages import RequestOptions, SamplingParams, StepRequest, StepResult
 from cluster.model.cache import RequestCache
@@ -65,6 +65,11 @@ class _Job:
     mtp_tokens: mx.array | None = None  # the tokens paired with `mtp_hidden`
     mtp_hidden: mx.array | None = None  # [1, pairs, hidden]
     draft: tuple[mx.array, mx.array] | None = None  # the next draft and its distribution
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the MTP head makes a draft for this request in this step."""
+        return self.candidates is not None or self.step.next_token is not None
 
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
@@ -119,7 +124,9 @@ class Tail:
             params = job.state.options.sampling
             target = log_probs(logits[row : row + n], params)
             q = job.state.draft_logprobs[None] if drafts and not params.greedy else None
-            job.candidates = propose(target, drafts, q, params, job.state.rng)
+            # Keyed by the position of the first token it decides: a replay draws the same.
+            rng = job.state.rng.at(job.step.position + job.step.n_confirmed)
+            job.candidates = propose(target, drafts, q, params, rng)
             if job.state.options.logprobs:
                 job.logprobs = log_probs(logits[row : row + n], _PLAIN)
             row += n
@@ -129,7 +136,9 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
         hidden = mtp_input[:, job.offset : job.offset + n]
-        if c is None:  # an intermediate prefill chunk: the last position waits for its token
+        if c is None and step.next_token is not None:  # a replay's chunk: its token is known
+            tokens, pending = _ids((*step.tokens[1:], step.next_token)), None
+        elif c is None:  # an intermediate prefill chunk: the last position waits for its token
             tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]
         elif step.draft_len == 0:  # a prompt's last chunk, or a step without a draft
@@ -158,31 +167,43 @@ class Tail:
         out = self.shard.mtp(self.shard.embed(tokens), hidden, segments)
         ends = list(itertools.accumulate(job.mtp_tokens.size for job in jobs))
         # The draft comes after the position where the last emitted token stands: for a step
-        # with k drafts, the one after the accepted prefix, picked on the device.
-        rows = []
-        drafting = [job for job in jobs if job.candidates is not None]
+        # with k drafts, the one after the accepted prefix, picked on the device. Its random
+        # number is keyed by the draft's own position, picked on the device the same way.
+        rows, uniforms = [], []
+        drafting = [job for job in jobs if job.drafts]
         for job, end in zip(jobs, ends, strict=True):
-            if job.candidates is None:
+            if not job.drafts:
                 continue
-            if job.step.draft_len:
-                k = job.step.draft_len
+            step, rng = job.step, job.state.rng
+            first = step.position + len(step.tokens) + 1  # with no draft accepted
+            greedy = job.state.options.sampling.greedy
+            if step.draft_len:
+                k = step.draft_len
                 accepted = mx.cumprod(job.candidates.accept.astype(mx.uint32)).sum()
                 rows.append(out[0, end - k - 1 : end][accepted])
+                u = None if greedy else rng.uniform_at(range(first - k, first + 1), DRAFT)
+                uniforms.append(None if u is None else u[accepted])
             else:
                 rows.append(out[0, end - 1])
+                u = None if greedy else rng.uniform_at(range(first, first + 1), DRAFT)
+                uniforms.append(None if u is None else u[0])
         if not rows:
             return
         logits = self.shard.logits(mx.stack(rows))
         for i, job in enumerate(drafting):
             params = job.state.options.sampling
             q = log_probs(logits[i], params)
-            job.draft = (sample(q, params, job.state.rng), q)
+            job.draft = (sample_with(q, params, uniforms[i]), q)
 
     def _conclude(self, job: _Job) -> StepResult:
         """Read the verdict (after the sync): tokens, what stays, the draft that holds."""
         step, state = job.step, job.state
         if job.candidates is None:
-            return StepResult(step.request_id, (), len(step.tokens))
+            if job.draft is None:
+                return StepResult(step.request_id, (), len(step.tokens))
+            token, state.draft_logprobs = job.draft
+            state.draft = int(token.item())
+            return StepResult(step.request_id, (), len(step.tokens), state.draft)
         emitted, accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
         if job.draft is not None:
             rejected = step.draft_len - accepted
