@@ -4,7 +4,8 @@ Text goes through the reasoning split first (`reasoning`), then, in the answer, 
 tool-call parser (`tool_calls`) when the request offered tools. Streamed, each part becomes a
 delta as the `openai` client assembles them: a call opens with its index, id, type and name
 (arguments ""), and its arguments follow in the next delta of the same index. Whole, the parts
-make one message. Blank text right before a call is the call's layout, not an answer.
+make one message. Blank text right before a call, or after the last one, is the calls' layout, not
+an answer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ChatReply:
         self._calls = ToolCallParser(tools) if tools else None
         self._unfed = prompt.reply_prefix  # the reply's start, written by the prompt
         self._blank = ""  # blank answer text, held until we know whether a call follows
+        self._last_was_call = False
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[ToolCall] = []
@@ -70,17 +72,22 @@ class ChatReply:
                 parts += self._calls.flush()
         for part in parts:
             deltas += self._content(part) if isinstance(part, str) else self._call(part)
-        if final and self._blank and not self.tool_calls:  # a blank answer is still one
+        if final and self._blank and not self._last_was_call:
             deltas += self._emit(self._blank)
             self._blank = ""
         return deltas
 
     def _content(self, text: str) -> list[Delta]:
-        if self._calls is not None and not text.strip():
-            self._blank += text
-            return []
+        if self._calls is None:
+            return self._emit(text)
+        # Trailing blanks wait: before a call they are its layout, else they come with the next
         text, self._blank = self._blank + text, ""
-        return self._emit(text)
+        body = text.rstrip()
+        self._blank = text[len(body) :]
+        if not body:
+            return []
+        self._last_was_call = False
+        return self._emit(body)
 
     def _emit(self, text: str) -> list[Delta]:
         self.content.append(text)
@@ -88,6 +95,7 @@ class ChatReply:
 
     def _call(self, call: ToolCall) -> list[Delta]:
         self._blank = ""
+        self._last_was_call = True
         index = len(self.tool_calls)
         self.tool_calls.append(call)
         opening = {
