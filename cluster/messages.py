@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20
+
 
 class RequestError(ValueError):
     """A request that cannot be served as asked (bad parameters, too long, unknown id...)."""
@@ -54,6 +56,13 @@ class RequestOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mtp: bool = True
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: how many of the likeliest tokens come with each
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,8 @@ class StepResult:
     drafted: int = 0
     accepted: int = 0
     logprobs: tuple[float, ...] | None = None
+    # Per emitted token, the likeliest (token, logprob) pairs, likeliest first, when asked.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,7 @@ class _Job:
     offset: int  # of the step's first position in the packed batch
     candidates: Candidates | None = None  # None: an intermediate prefill chunk
     logprobs: mx.array | None = None  # the model's own, at the rows where tokens are due
+    top: tuple[mx.array, mx.array] | None = None  # the likeliest tokens per row, their logprobs
     mtp_tokens: mx.array | None = None  # the tokens paired with `mtp_hidden`
     mtp_hidden: mx.array | None = None  # [1, pairs, hidden]
     draft: tuple[mx.array, mx.array] | None = None  # the next draft and its distribution
@@ -69,6 +70,7 @@ class _Job:
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
         out += [self.logprobs] if self.logprobs is not None else []
+        out += list(self.top or ())
         return out + list(self.draft or ())
 
 
@@ -122,6 +124,7 @@ class Tail:
             job.candidates = propose(target, drafts, q, params, job.state.rng)
             if job.state.options.logprobs:
                 job.logprobs = log_probs(logits[row : row + n], _PLAIN)
+                job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
             row += n
 
     def _pair(self, job: _Job, mtp_input: mx.array) -> None:
@@ -190,11 +193,27 @@ class Tail:
                 state.mtp_cache.rollback(rejected)
             token, state.draft_logprobs = job.draft
             state.draft = int(token.item())
-        logprobs = None
+        logprobs = top = None
         if job.logprobs is not None:  # emitted token j was predicted at row j
             logprobs = tuple(job.logprobs[j, t].item() for j, t in enumerate(emitted))
+        if job.top is not None:
+            tokens, values = (a[: len(emitted)].tolist() for a in job.top)
+            top = tuple(tuple(zip(t, v, strict=True)) for t, v in zip(tokens, values, strict=True))
         keep = step.n_confirmed + accepted
         return StepResult(
             step.request_id, emitted, keep, state.draft if job.draft else None,
-            step.draft_len, accepted, logprobs,
+            step.draft_len, accepted, logprobs, top,
         )  # fmt: skip
+
+
+def _likeliest(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array] | None:
+    """The k likeliest tokens of each row, likeliest first, and their logprobs (lazily)."""
+    if k == 0:
+        return None
+    k = min(k, logprobs.shape[-1])
+    # A partial sort over the vocabulary, then a full sort of the k only.
+    candidates = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, candidates, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    tokens = mx.take_along_axis(candidates, order, axis=-1)
+    return tokens, mx.take_along_axis(values, order, axis=-1)
