@@ -116,10 +116,16 @@ def serve(model_dir: Path) -> None:
     for line in sys.stdin:  # until the parent closes it
         if line.strip() == "reset":  # start a new peak (Linux: 5 clears VmHWM)
             Path("/proc/self/clear_refs").write_text("5")
+        cpu = os.times()
         memory = {"peak_kb": _status_kb("VmHWM"), "rss_kb": _status_kb("VmRSS")}
-        print(json.dumps(memory), flush=True)
+        print(json.dumps({**memory, "cpu_s": cpu.user + cpu.system}), flush=True)
     server.stop(None)
     bare.stop(None)
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def _status_kb(field: str) -> int:
@@ -222,6 +228,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
         }
         seconds: dict[str, list[float]] = {name: [] for name in variants}
         peaks: dict[str, list[int]] = {name: [] for name in variants}
+        cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}  # s/MiB
 
         def ask(command: str) -> dict:
             server.stdin.write(command + "\n")
@@ -235,11 +242,16 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
             for name in order:
                 out = tmp / "out"
                 out.mkdir()
-                before = ask("reset")["rss_kb"]
+                before = ask("reset")
+                mine = _cpu_s()
                 started = time.perf_counter()
                 variants[name](out)
                 seconds[name].append(time.perf_counter() - started)
-                peaks[name].append((ask("peak")["peak_kb"] - before) * 1024)
+                mine = _cpu_s() - mine
+                after = ask("peak")
+                peaks[name].append((after["peak_kb"] - before["rss_kb"]) * 1024)
+                mib = total / 2**20
+                cpu[name].append(((after["cpu_s"] - before["cpu_s"]) / mib, mine / mib))
                 shutil.rmtree(out)
         server.stdin.close()
     finally:
@@ -255,13 +267,23 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
         "mib_per_s": rates,
         "vs_copy": {name: rate / rates["copy"] for name, rate in rates.items()},
         "server_peak_rss_growth_bytes": {name: max(p) for name, p in peaks.items()},
+        "cpu_ms_per_mib": {
+            name: {
+                "server": 1000 * median(s for s, _ in v),
+                "client": 1000 * median(c for _, c in v),
+            }
+            for name, v in cpu.items()
+        },
     }
     print(f"model {total / 2**20:.0f} MiB, chunk {CHUNK_BYTES / 2**20:.0f} MiB, "
           f"manifest hashed in {hash_s:.2f} s")  # fmt: skip
-    print(f"{'':<14} {'MiB/s':>8} {'vs copy':>8} {'server peak RSS growth':>24}")
+    print(f"{'':<14} {'MiB/s':>8} {'vs copy':>8} {'CPU ms/MiB server, client':>26} "
+          f"{'server peak RSS growth':>24}")  # fmt: skip
     for name in variants:
         peak = max(peaks[name])
+        c = report["cpu_ms_per_mib"][name]
         print(f"{name:<14} {rates[name]:8.0f} {report['vs_copy'][name]:7.2f}x "
+              f"{c['server']:15.2f} {c['client']:10.2f} "
               f"{peak / 2**20:12.1f} MiB = {peak / CHUNK_BYTES:4.1f} chunks")  # fmt: skip
     return report
 
