@@ -30,6 +30,7 @@ class NodeStatus:
     memory_total_bytes: int
     step_latency_ms: float
     device: str
+    weights_fraction: float | None = None  # a weights transfer to the node in progress
 
 
 @dataclass(frozen=True, slots=True)

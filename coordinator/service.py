@@ -23,8 +23,11 @@ from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
+from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.progress import transfer_fraction
+from coordinator.weights_host import WeightsHost
 from node.auth import TLSConfig
 from node.client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 RATE_WINDOW_S = 10.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class MeteredEngine:
@@ -84,6 +88,8 @@ class Coordinator:
         concurrency: int = 8,
         node_model_dir: str | None = None,
         tls: TLSConfig | None = None,
+        serve_weights: bool = True,
+        weights_port: int = 0,
     ):
         self.model_dir = model_dir
         self.tls = tls
@@ -102,10 +108,16 @@ class Coordinator:
         self._heard: dict[str, _Heard] = {}
         self._probes: dict[str, NodeClient] = {}
         self._tasks: list[asyncio.Task] = []
+        self.weights = (
+            WeightsHost(model_dir, token, tls, port=weights_port) if serve_weights else None
+        )
 
     # -- bring-up ---------------------------------------------------------------------------
 
     async def start(self, *, wait_for_nodes_s: float = 30.0) -> None:
+        if self.weights is not None:
+            await self.weights.start()
+            self._tasks.append(asyncio.create_task(self.weights.show_progress()))
         await self.directory.start()
         self._tasks.append(asyncio.create_task(self._poll_nodes()))
         deadline = time.monotonic() + wait_for_nodes_s
@@ -129,6 +141,8 @@ class Coordinator:
         for probe in self._probes.values():
             await probe.close()
         await self.directory.stop()
+        if self.weights is not None:
+            self.weights.stop()
 
     async def _capacities(self) -> list[NodeCapacity]:
         capacities = []
@@ -163,6 +177,7 @@ class Coordinator:
             ranges=ranges,
             node_model_dir=self.node_model_dir,
             tls=self.tls,
+            **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         if self.engine is None:
@@ -240,6 +255,7 @@ class Coordinator:
             memory_total_bytes=info.memory_total_bytes,
             step_latency_ms=info.step_latency_ms,
             device=info.device,
+            weights_fraction=transfer_fraction(info),
         )
 
     def stats(self) -> ClusterStats:
@@ -270,8 +286,12 @@ async def run_coordinator(
     announce: bool = True,
     started: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
+    api_keys = api_keys or ApiKeys()
+    if not api_keys.enabled and host not in LOOPBACK_HOSTS:
+        log.warning("serving on %s without an API key: anyone who reaches it may use it", host)
     directory = NodeDirectory(nodes, browse=browse)
     coordinator = Coordinator(
         model_dir,
@@ -293,6 +313,7 @@ async def run_coordinator(
             max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
         ),
         counters=coordinator.counters,
+        api_keys=api_keys,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

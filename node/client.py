@@ -277,8 +277,13 @@ async def load_pipeline(
     dtype: str = "",
     cache_budget_bytes: int | None = None,
     tls: TLSConfig | None = None,
+    model_digest: str = "",
+    weights_port: int = 0,
 ) -> RemotePipeline:
-    """Load the shards (evenly split unless `ranges`) and open the streams."""
+    """Load the shards (evenly split unless `ranges`) and open the streams.
+
+    With `model_digest` and `weights_port` (the caller's Weights service), a node that lacks a
+    verified copy of its shard's tensors fetches them from the caller first."""
     if not token:
         raise ValueError("a cluster token is needed to talk to nodes (--token or CLUSTER_TOKEN)")
     config = load_model_config(model_dir)
@@ -302,6 +307,8 @@ async def load_pipeline(
                 dtype=dtype,
                 next_node=addresses[i + 1] if i + 1 < len(addresses) else "",
                 model_id=Path(model_dir).name,
+                model_digest=model_digest,
+                weights_port=weights_port,
             )
             if cache_budget_bytes is not None:
                 request.cache_budget_bytes = cache_budget_bytes

@@ -29,8 +29,10 @@ from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
+from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
+from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -74,6 +76,7 @@ class NodeService(pb_grpc.NodeServicer):
         cache_budget_bytes: int | None = None,
         idle_timeout_s: float = 600.0,
         tls: TLSConfig | None = None,
+        weights_store: WeightsStore | None = None,
     ):
         self.token = token
         self.tls = tls  # also used to dial the next node
@@ -87,6 +90,12 @@ class NodeService(pb_grpc.NodeServicer):
         self.weights_bytes = 0
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()
+        self.weights = ShardWeights(
+            weights_store or WeightsStore(default_cache_dir()),
+            token=token,
+            node_id=node_id,
+            tls=tls,
+        )
         self._sweeper = asyncio.create_task(self._sweep_idle())
 
     async def close(self) -> None:
@@ -110,9 +119,10 @@ class NodeService(pb_grpc.NodeServicer):
             try:
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
-                shard = await self.worker.run(
-                    load_shard, Path(request.model_dir), spec, dtype=dtype
-                )
+                model_dir = await self.weights.model_dir(request, context.peer())
+                shard = await self.worker.run(load_shard, model_dir, spec, dtype=dtype)
+            except ShardWeightsError as error:
+                await context.abort(error.code, f"cannot load shard: {error}")
             except (ModelDirError, ValueError, OSError, AttributeError) as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load shard: {error}")
             budget = (
@@ -206,6 +216,7 @@ class NodeService(pb_grpc.NodeServicer):
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
         )
+        self.weights.fill_info(info)
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
             info.shard.CopyFrom(
@@ -247,6 +258,7 @@ async def serve(
     advertise: bool = False,
     ready: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    weights_store: WeightsStore | None = None,
 ) -> None:
     """Run a node until cancelled."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
@@ -256,6 +268,7 @@ async def serve(
         cache_budget_bytes=cache_budget_bytes,
         idle_timeout_s=idle_timeout_s,
         tls=tls,
+        weights_store=weights_store,
     )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
@@ -336,6 +349,18 @@ async def serve(
     default=None,
     help="The certificate's private key (PEM).",
 )
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where fetched weights are cached [default: ~/.cache/cluster/models].",
+)
+@click.option(
+    "--cache-cap-gb",
+    type=float,
+    default=None,
+    help="Disk cap of the weights cache; least recently used models are evicted.",
+)
 def node_command(
     host: str,
     port: int,
@@ -346,9 +371,17 @@ def node_command(
     advertise: bool,
     tls_cert: str | None,
     tls_key: str | None,
+    cache_dir: Path | None,
+    cache_cap_gb: float | None,
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
+    if cache_cap_gb is not None and cache_cap_gb <= 0:
+        raise click.BadParameter("--cache-cap-gb must be positive")
+    store = WeightsStore(
+        cache_dir or default_cache_dir(),
+        int(cache_cap_gb * 2**30) if cache_cap_gb is not None else None,
+    )
     try:
         tls = TLSConfig.from_files(tls_cert, tls_key)
         if tls is not None:
@@ -363,6 +396,7 @@ def node_command(
                 idle_timeout_s=idle_timeout,
                 advertise=advertise,
                 tls=tls,
+                weights_store=store,
             )
         )
     except KeyboardInterrupt:

@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,9 @@ class NodeInfo(_message.Message):
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -68,10 +71,13 @@ class NodeInfo(_message.Message):
     steps_total: int
     step_latency_ms: float
     uptime_s: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    weights_fetched_bytes: int
+    weights_fetch_total_bytes: int
+    weights_received_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +87,9 @@ class LoadShardRequest(_message.Message):
     NEXT_NODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
     end: int
@@ -90,7 +99,10 @@ class LoadShardRequest(_message.Message):
     next_node: str
     cache_budget_bytes: int
     model_id: str
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    model_digest: str
+    weights_port: int
+    weights_address: str
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -223,3 +235,51 @@ class RollbackReply(_message.Message):
     applied: bool
     position: int
     def __init__(self, applied: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...
+
+class WeightsManifestRequest(_message.Message):
+    __slots__ = ("model_digest",)
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    def __init__(self, model_digest: _Optional[str] = ...) -> None: ...
+
+class WeightsManifestReply(_message.Message):
+    __slots__ = ("manifest_json",)
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: bytes
+    def __init__(self, manifest_json: _Optional[bytes] = ...) -> None: ...
+
+class WeightsChunkRef(_message.Message):
+    __slots__ = ("tensor", "chunk")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    chunk: int
+    def __init__(self, tensor: _Optional[str] = ..., chunk: _Optional[int] = ...) -> None: ...
+
+class WeightsFetchRequest(_message.Message):
+    __slots__ = ("model_digest", "node_id", "start", "end", "is_head", "is_tail", "chunks", "files", "total_bytes")
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    IS_HEAD_FIELD_NUMBER: _ClassVar[int]
+    IS_TAIL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    node_id: str
+    start: int
+    end: int
+    is_head: bool
+    is_tail: bool
+    chunks: _containers.RepeatedCompositeFieldContainer[WeightsChunkRef]
+    files: _containers.RepeatedScalarFieldContainer[str]
+    total_bytes: int
+    def __init__(self, model_digest: _Optional[str] = ..., node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[WeightsChunkRef, _Mapping]]] = ..., files: _Optional[_Iterable[str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

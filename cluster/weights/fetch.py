@@ -1,0 +1,261 @@
+"""A node's side of a transfer: fetch exactly the chunks of its shard it lacks, verified.
+
+`ensure_shard` returns a model directory holding a verified copy of the shard's tensors: the
+directory the coordinator named when it is on this machine and is the same model (by content),
+or else the node's cache, after fetching what is missing there. Every chunk is hashed as it
+arrives (in the stream's own thread; hashlib and pwrite release the GIL, so the streams run in
+parallel) and written only if it matches the manifest; a chunk that does not is asked for again
+(a few rounds), and a shard is returned only when every one of its chunks is verified, so
+nothing unverified is ever loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from cluster.model.loading import shard_tensor_names
+from cluster.model.shard import ShardSpec
+from cluster.weights.manifest import Manifest, ManifestError, manifest_for
+from cluster.weights.service import (
+    FETCH_METHOD,
+    MANIFEST_METHOD,
+    decode_chunk,
+    weights_grpc_options,
+)
+from cluster.weights.store import CachedModel, ChunkRef, WeightsStore
+from node.auth import TLSConfig, token_metadata
+from proto import cluster_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+STREAMS = 4  # parallel streams per transfer
+ROUNDS = 3  # a chunk failing its hash this many times in a row fails the load
+MANIFEST_TIMEOUT_S = 60.0
+STALL_TIMEOUT_S = 3600.0  # a whole stream's deadline (very large shards over slow links)
+CRASH_AFTER_ENV = "CLUSTER_TEST_WEIGHTS_CRASH_AFTER_BYTES"  # test hook: die mid-transfer
+
+
+class WeightsFetchError(RuntimeError):
+    """A transfer that could not complete (names the chunk or the peer's error)."""
+
+
+@dataclass(slots=True)
+class FetchProgress:
+    """What a transfer has verified so far (read by the node's Info)."""
+
+    total_bytes: int = 0
+    verified_bytes: int = 0  # fetched and verified in this transfer
+    received_bytes: int = 0  # every message byte received, overhead included
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, verified: int, received: int) -> None:
+        with self.lock:
+            self.verified_bytes += verified
+            self.received_bytes += received
+
+
+def local_copy_matches(model_dir: Path, digest: str) -> bool:
+    """True when `model_dir` exists here and holds the model named `digest`."""
+    if not (model_dir / "config.json").is_file():
+        return False
+    try:
+        return manifest_for(model_dir).digest == digest
+    except (ManifestError, OSError) as error:
+        log.info("%s is not usable as the model: %s", model_dir, error)
+        return False
+
+
+class ShardFetcher:
+    """Fetches one shard of one model from a Weights service into a store."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        node_id: str,
+        tls: TLSConfig | None = None,
+        streams: int = STREAMS,
+        progress: FetchProgress | None = None,
+    ):
+        self.address = address
+        self.metadata = token_metadata(token)
+        self.node_id = node_id
+        self.streams = streams
+        self.progress = progress or FetchProgress()
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=weights_grpc_options())
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=tls.cert)
+            self.channel = grpc.secure_channel(address, credentials, weights_grpc_options())
+        self._manifest_call = self.channel.unary_unary(
+            MANIFEST_METHOD,
+            request_serializer=pb.WeightsManifestRequest.SerializeToString,
+            response_deserializer=pb.WeightsManifestReply.FromString,
+        )
+        self._fetch_call = self.channel.unary_stream(
+            FETCH_METHOD,
+            request_serializer=pb.WeightsFetchRequest.SerializeToString,
+            response_deserializer=decode_chunk,
+        )
+        self._crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def manifest(self, digest: str) -> Manifest:
+        try:
+            reply = self._manifest_call(
+                pb.WeightsManifestRequest(model_digest=digest),
+                timeout=MANIFEST_TIMEOUT_S,
+                metadata=self.metadata,
+            )
+        except grpc.RpcError as error:
+            raise WeightsFetchError(
+                f"cannot get the manifest from {self.address}: {error.details()}"
+            ) from None
+        return Manifest.from_json(reply.manifest_json, expect_digest=digest)
+
+    def fetch_shard(self, store: WeightsStore, manifest: Manifest, spec: ShardSpec) -> Path:
+        """Make `store` hold a verified copy of the shard; return its model directory."""
+        cached = store.model(manifest)
+        try:
+            missing_files = cached.missing_small_files()
+            if missing_files:
+                self._fetch_files(cached, spec, missing_files)
+            tensors = sorted(shard_tensor_names(cached.path, spec))
+            for _ in range(ROUNDS):
+                missing = cached.missing_chunks(tensors)
+                if not missing:
+                    cached.touch()
+                    return cached.path
+                need = sum(_chunk_len(manifest, ref) for ref in missing)
+                store.make_room(need, keep=manifest.digest)
+                self.progress.total_bytes = need
+                log.info(
+                    "fetching %d chunk(s), %.1f MiB of %s from %s",
+                    len(missing),
+                    need / 2**20,
+                    spec.describe(),
+                    self.address,
+                )
+                self._fetch_chunks(cached, spec, missing, need)
+            raise WeightsFetchError(
+                f"chunks of {spec.describe()} kept failing verification after {ROUNDS} rounds "
+                f"(the coordinator's copy differs from its manifest?)"
+            )
+        finally:
+            cached.close()
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def _request(self, manifest_digest: str, spec: ShardSpec, total: int) -> pb.WeightsFetchRequest:
+        return pb.WeightsFetchRequest(
+            model_digest=manifest_digest,
+            node_id=self.node_id,
+            start=spec.start,
+            end=spec.end,
+            is_head=spec.is_head,
+            is_tail=spec.is_tail,
+            total_bytes=total,
+        )
+
+    def _fetch_files(self, cached: CachedModel, spec: ShardSpec, names: list[str]) -> None:
+        request = self._request(cached.manifest.digest, spec, 0)
+        request.files.extend(names)
+        for name, data in zip(names, self._stream(request), strict=True):
+            cached.write_small_file(name, data)
+            self.progress.add(0, len(data.obj))
+
+    def _fetch_chunks(
+        self, cached: CachedModel, spec: ShardSpec, missing: list[ChunkRef], total: int
+    ) -> None:
+        parts = _split(missing, cached.manifest, self.streams)
+
+        def run(part: list[ChunkRef]) -> None:
+            request = self._request(cached.manifest.digest, spec, total)
+            request.chunks.extend(pb.WeightsChunkRef(tensor=t, chunk=i) for t, i in part)
+            for ref, data in zip(part, self._stream(request), strict=False):
+                received = len(data.obj) if data.obj is not None else len(data)
+                if not cached.chunk_hash_ok(ref, data):
+                    log.warning("chunk %s #%d failed its hash; it will be fetched again", *ref)
+                    self.progress.add(0, received)
+                    continue
+                cached.write_chunk(ref, data)
+                self.progress.add(len(data), received)
+                self._maybe_crash()
+
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="fetch") as pool:
+            for future in [pool.submit(run, part) for part in parts]:
+                future.result()
+
+    def _stream(self, request: pb.WeightsFetchRequest):
+        try:
+            yield from self._fetch_call(request, timeout=STALL_TIMEOUT_S, metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise WeightsFetchError(
+                f"weights transfer from {self.address} failed: {error.details()}"
+            ) from None
+
+    def _maybe_crash(self) -> None:
+        if self._crash_after and self.progress.verified_bytes >= self._crash_after:
+            log.error("test hook: dying mid-transfer after %d bytes", self.progress.verified_bytes)
+            os._exit(137)
+
+
+def _chunk_len(manifest: Manifest, ref: ChunkRef) -> int:
+    return manifest.tensors[ref[0]].chunk_range(ref[1], manifest.chunk_bytes)[1]
+
+
+def _split(refs: list[ChunkRef], manifest: Manifest, parts: int) -> list[list[ChunkRef]]:
+    """Up to `parts` lists of about equal bytes, each in file order (largest first greedy)."""
+    bins: list[tuple[int, list[ChunkRef]]] = [(0, []) for _ in range(max(1, parts))]
+    for ref in sorted(refs, key=lambda r: -_chunk_len(manifest, r)):
+        i = min(range(len(bins)), key=lambda k: bins[k][0])
+        bins[i] = (bins[i][0] + _chunk_len(manifest, ref), [*bins[i][1], ref])
+    order = {ref: n for n, ref in enumerate(refs)}
+    return [sorted(b, key=order.__getitem__) for _, b in bins if b]
+
+
+def ensure_shard(
+    *,
+    digest: str,
+    spec: ShardSpec,
+    store: WeightsStore,
+    source: str | None,
+    token: str,
+    node_id: str,
+    local_dir: Path | None = None,
+    tls: TLSConfig | None = None,
+    progress: FetchProgress | None = None,
+    on_manifest: Callable[[Manifest], None] | None = None,
+) -> Path:
+    """A directory with a verified copy of the shard: `local_dir` if it is the same model,
+    else the cache (fetching only what it lacks from `source`)."""
+    if local_dir is not None and local_copy_matches(local_dir, digest):
+        return local_dir
+    manifest = store.cached_manifest(digest)
+    if source is None:
+        if manifest is None:
+            raise WeightsFetchError(
+                f"model {digest} is neither at {local_dir} nor in the cache {store.root}, "
+                "and no weights service was named"
+            )
+        source = "unreachable:0"  # only used if something is missing: fails with that name
+    fetcher = ShardFetcher(source, token, node_id=node_id, tls=tls, progress=progress)
+    try:
+        if manifest is None:
+            manifest = fetcher.manifest(digest)
+        if on_manifest is not None:
+            on_manifest(manifest)
+        return fetcher.fetch_shard(store, manifest, spec)
+    finally:
+        fetcher.close()
