@@ -21,15 +21,17 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from aiohttp import web
-from jinja2 import TemplateError
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
+from coordinator.api_keys import ApiKeys, api_key_middleware
+from coordinator.chat_prompt import render_chat_prompt
+from coordinator.chat_reply import ChatReply
+from coordinator.chat_request import parse_chat_request
 from coordinator.metrics import ClusterView, RequestCounters, cluster_json, render_prometheus
 from coordinator.openai_schema import (
     ApiError,
-    ChatRequest,
     CommonParams,
     CompletionRequest,
     ResponseIdentity,
@@ -38,11 +40,12 @@ from coordinator.openai_schema import (
     chat_completion,
     chat_usage_chunk,
     model_list,
-    parse_chat_request,
     parse_completion_request,
     text_completion,
     text_usage_chunk,
+    unsupported,
 )
+from coordinator.partial_text import split_at_partial_marker
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +77,19 @@ def create_app(
     model_id: str,
     admission: AdmissionController,
     counters: RequestCounters | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
     `tokenizer` is mlx-lm's `TokenizerWrapper`. Pass the same `counters` to the `ClusterView`
     that reports `ClusterStats`, so that the requests counted here show up in its stats.
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
-    up cancels its request at once, not only at the next write.
+    up cancels its request at once, not only at the next write. With `api_keys`, the routes
+    they guard need `Authorization: Bearer KEY`.
     """
     api = _Api(engine, tokenizer, view, model_id, admission, counters or RequestCounters())
-    app = web.Application(middlewares=[_openai_errors])
+    keys = api_keys or ApiKeys()
+    app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
     app.router.add_post("/v1/completions", api.counted(api.completions))
     app.router.add_get("/v1/models", api.models)
@@ -127,22 +133,13 @@ class StopMatcher:
         if found:
             self._held = ""
             return buffer[: min(found)], True
-        keep = self._longest_stop_prefix_suffix(buffer)
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep], False
+        safe, self._held = split_at_partial_marker(buffer, self._stops)
+        return safe, False
 
     def flush(self) -> str:
         """The held-back text, once the generation has ended without a stop string."""
         held, self._held = self._held, ""
         return held
-
-    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
-        longest = max((len(stop) - 1 for stop in self._stops), default=0)
-        for size in range(min(longest, len(buffer)), 0, -1):
-            tail = buffer[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0
 
 
 class TextStream:
@@ -211,25 +208,32 @@ class TextStream:
 
 
 class _ChatFormat:
-    """The chat.completion(.chunk) objects of one response."""
+    """The chat.completion(.chunk) objects of one response: reasoning, content, tool calls."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, reply: ChatReply) -> None:
         self.ident = ResponseIdentity.new("chatcmpl", model)
+        self.reply = reply
 
     def opening(self) -> list[dict[str, Any]]:
         return [chat_chunk(self.ident, {"role": "assistant", "content": ""})]
 
     def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        out = [chat_chunk(self.ident, {"content": text})] if text else []
+        deltas = self.reply.feed(text)
         if finish_reason is not None:
-            out.append(chat_chunk(self.ident, {}, finish_reason))
+            deltas += self.reply.finish()
+        out = [chat_chunk(self.ident, delta) for delta in deltas]
+        if finish_reason is not None:
+            out.append(chat_chunk(self.ident, {}, self.reply.finish_reason(finish_reason)))
         return out
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return chat_usage_chunk(self.ident, usage)
 
     def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return chat_completion(self.ident, text, finish_reason, usage)
+        self.reply.feed(text)
+        self.reply.finish()
+        reason = self.reply.finish_reason(finish_reason)
+        return chat_completion(self.ident, self.reply.message(), reason, usage)
 
 
 class _TextFormat:
@@ -283,8 +287,9 @@ class _Api:
         chat = parse_chat_request(
             await request.read(), model_id=self._model_id, max_context=max_context
         )
-        fmt = _ChatFormat(chat.params.model)
-        return await self._generate(request, self._chat_prompt(chat), chat.params, fmt)
+        prompt = render_chat_prompt(self._tokenizer, chat)
+        fmt = _ChatFormat(chat.params.model, ChatReply(prompt, chat.offered_tools))
+        return await self._generate(request, prompt.tokens, chat.params, fmt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         max_context = self._engine.max_context
@@ -350,16 +355,6 @@ class _Api:
 
         return counted_handler
 
-    def _chat_prompt(self, chat: ChatRequest) -> tuple[int, ...]:
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        try:
-            ids = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-        except TemplateError as exc:  # templates reject e.g. a conversation in a bad order
-            raise ApiError(400, f"the chat template rejected the messages: {exc}") from exc
-        return tuple(int(token) for token in ids)
-
     def _text_prompt(self, completion: CompletionRequest) -> tuple[int, ...]:
         if isinstance(completion.prompt, str):
             return tuple(self._tokenizer.encode(completion.prompt))
@@ -372,6 +367,8 @@ class _Api:
         self, prompt: tuple[int, ...], params: CommonParams
     ) -> GenerationRequest:
         """Check the context budget here, before a slot is taken, and build the request."""
+        if params.top_logprobs is not None:
+            raise unsupported("logprobs are not supported by this server", "logprobs")
         max_context = self._engine.max_context
         room = max_context - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else room

@@ -20,6 +20,7 @@ import click
 
 from cluster.config import bundled_model_path
 from cluster.local import parse_layers
+from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
 from coordinator.service import run_coordinator
 from node.auth import TLSConfig
 
@@ -50,6 +51,23 @@ NODE_START_TIMEOUT_S = 60.0
     default=None,
     help="Cluster certificate (PEM) when the nodes serve TLS.",
 )
+@click.option(
+    "--api-key",
+    envvar=API_KEY_ENV,
+    default=None,
+    help=f"Require 'Authorization: Bearer KEY' on /v1 (also ${API_KEY_ENV}).",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Accepted API keys, one a line (with or instead of --api-key).",
+)
+@click.option(
+    "--open-monitoring",
+    is_flag=True,
+    help="With API keys: leave /metrics, /health and the dashboard's data open.",
+)
 def coordinator_command(
     nodes: str,
     model_dir: Path | None,
@@ -62,9 +80,16 @@ def coordinator_command(
     max_running: int,
     max_queued: int,
     tls_cert: str | None,
+    api_key: str | None,
+    api_key_file: Path | None,
+    open_monitoring: bool,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
     static = [n for n in nodes.split(",") if n]
+    try:
+        keys = ApiKeys.of(read_api_keys(api_key, api_key_file), open_monitoring=open_monitoring)
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="--api-key / --api-key-file") from error
     try:
         asyncio.run(
             run_coordinator(
@@ -79,6 +104,7 @@ def coordinator_command(
                 max_running=max_running,
                 max_queued=max_queued,
                 tls=TLSConfig.from_files(tls_cert),
+                api_keys=keys,
             )
         )
     except KeyboardInterrupt:
@@ -165,10 +191,14 @@ def up_command(count: int, model_dir: Path | None, port: int, layers: str | None
 
 @click.command("status")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
-def status_command(url: str) -> None:
+@click.option("--api-key", envvar=API_KEY_ENV, default=None, help="The coordinator's API key.")
+def status_command(url: str, api_key: str | None) -> None:
     """Print the cluster table of a running coordinator."""
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/cluster")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/cluster", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             data = json.load(response)
     except (urllib.error.URLError, OSError) as error:
         raise click.ClickException(f"cannot reach the coordinator at {url}: {error}") from error

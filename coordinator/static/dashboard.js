@@ -124,9 +124,26 @@ function draw(data) {
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
+// With API keys on, the data needs the key: asked once, kept for this tab only.
+const KEY_ITEM = "cluster-api-key";
+
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 async function poll() {
   try {
-    const response = await fetch("/api/cluster", { cache: "no-store", signal: AbortSignal.timeout(2500) });
+    const response = await fetch("/api/cluster", {
+      cache: "no-store",
+      headers: authHeaders(),
+      signal: AbortSignal.timeout(2500),
+    });
+    if (response.status === 401) {
+      const key = window.prompt("This coordinator needs its API key:");
+      if (key) sessionStorage.setItem(KEY_ITEM, key.trim());
+      throw new Error("API key needed");
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     draw(await response.json());
   } catch (err) {
