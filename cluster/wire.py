@@ -179,6 +179,10 @@ def options_to_proto(o: RequestOptions, m: pb.RequestOptions | None = None) -> p
     m.mtp = o.mtp
     m.logprobs = o.logprobs
     m.top_logprobs = o.top_logprobs
+    if o.mtp_depth == "auto":
+        m.mtp_depth_auto = True
+    else:
+        m.mtp_depth = o.mtp_depth
     return m
 
 
@@ -188,6 +192,9 @@ def options_from_proto(m: pb.RequestOptions) -> RequestOptions:
         mtp=m.mtp if m.HasField("mtp") else _OPTIONS.mtp,
         logprobs=m.logprobs,
         top_logprobs=m.top_logprobs,
+        mtp_depth="auto"
+        if m.mtp_depth_auto
+        else (m.mtp_depth if m.HasField("mtp_depth") else _OPTIONS.mtp_depth),
     )
 
 
@@ -252,11 +259,10 @@ def results_to_proto(results: list[StepResult], errors: list[ErrorEntry]) -> pb.
                 request_id=r.request_id,
                 tokens=r.tokens,
                 keep=r.keep,
+                drafts=r.drafts,
                 drafted=r.drafted,
                 accepted=r.accepted,
             )
-            if r.draft is not None:
-                m.draft = r.draft
             if r.logprobs is not None:
                 m.logprobs.extend(r.logprobs)
                 m.has_logprobs = True
@@ -277,7 +283,7 @@ def results_from_proto(msg: pb.ResultBatch) -> tuple[list[StepResult], list[Erro
             request_id=m.request_id,
             tokens=tuple(m.tokens),
             keep=m.keep,
-            draft=m.draft if m.HasField("draft") else None,
+            drafts=tuple(m.drafts),
             drafted=m.drafted,
             accepted=m.accepted,
             logprobs=tuple(m.logprobs) if m.has_logprobs else None,

@@ -216,7 +216,9 @@ def status_command(url: str, api_key: str | None) -> None:
         memory = (
             f"{node['memory_used_bytes'] / 2**30:.1f}/{node['memory_total_bytes'] / 2**30:.1f} GiB"
         )
+        fetching = node.get("weights_fraction")
         click.echo(
             f"{node['node_id']:<22} {node['address']:<22} {layers:<10} {role:<10} "
             f"{'up' if node['up'] else 'DOWN':<6} {memory:>18} {node['step_latency_ms']:>8.2f}"
+            + (f"  fetching weights {fetching:.0%}" if fetching is not None else "")
         )

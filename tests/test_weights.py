@@ -9,8 +9,11 @@ model; the nodes are real `cluster node` processes, each with its own cache dire
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,9 @@ from cluster.weights.service import (
     serve_weights,
 )
 from cluster.weights.store import WeightsStore
+from coordinator.discovery import NodeDirectory
+from coordinator.progress import ProgressBars, transfer_fraction
+from coordinator.service import Coordinator
 from node.auth import token_metadata
 from node.client import NodeClient, NodeUnavailable, load_pipeline
 from proto import cluster_pb2 as pb
@@ -381,3 +387,59 @@ def test_progress_reaches_the_bars(source):
     transfers = {t.node_id: t for t in source.service.transfers.snapshot()}
     assert transfers, "the transfers above were recorded"
     assert all(t.done and t.sent_bytes > 0 for t in transfers.values())
+
+
+# ---- through the coordinator: placement, a node's death, progress ----
+
+
+def test_after_a_node_dies_the_survivor_fetches_what_it_now_needs(
+    node_factory, model_dir, source, tmp_path, requests, reference
+):
+    caches = [tmp_path / "a", tmp_path / "b"]
+    pair = node_factory(2, args=lambda i: ["--cache-dir", str(caches[i])])
+    bars = io.StringIO()
+
+    async def go():
+        coordinator = Coordinator(
+            source.model_dir,
+            NodeDirectory(pair.addresses, browse=False),
+            token=nodes.TOKEN,
+            use_all=True,
+            node_model_dir=MISSING_DIR,
+        )
+        progress = asyncio.create_task(asyncio.sleep(0))
+        try:
+            await coordinator.start(wait_for_nodes_s=20)
+            progress = asyncio.create_task(coordinator.weights.show_progress(ProgressBars(bars)))
+            head_end = coordinator.plan.stages[0].end
+            assert len(coordinator.plan.stages) == 2
+            engine = coordinator.engine.engine
+            first = [(await engine.generate(r)).tokens for r in requests]
+            pair[1].kill()
+            deadline = time.monotonic() + 30
+            while coordinator.plan.stages[0].end != NUM_LAYERS or coordinator.pipeline.failure:
+                assert time.monotonic() < deadline, "the model was not re-placed"
+                await asyncio.sleep(0.2)
+            second = [(await engine.generate(r)).tokens for r in requests]
+            await asyncio.sleep(0.6)  # one more frame of the bars
+            return first, second, head_end
+        finally:
+            progress.cancel()
+            await coordinator.close()
+
+    first, second, head_end = run(go())
+    assert first == second == reference
+    info = run(node_infos([pair[0].address]))[0]
+    head = ShardSpec(0, head_end, True, False)
+    whole = shard_bytes(source.model_dir, WHOLE)
+    # Only the layers it lacked (the embedding it had is not fetched again).
+    assert info.weights_fetch_total_bytes == whole - shard_bytes(source.model_dir, head)
+    assert "done" in bars.getvalue()
+
+
+def test_the_node_reports_its_fetch_as_a_fraction():
+    info = pb.NodeInfo(weights_fetched_bytes=25, weights_fetch_total_bytes=100)
+    assert transfer_fraction(info) == 0.25
+    done = pb.NodeInfo(weights_fetched_bytes=9, weights_fetch_total_bytes=9)
+    assert transfer_fraction(done) is None
+    assert transfer_fraction(pb.NodeInfo()) is None

@@ -3,9 +3,10 @@
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
 so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down), then
-decode steps. With MTP, each decode step feeds `[y, d]`: the last emitted token and the tail's
-draft of the next one; the result says how many positions stay, and the difference travels on
-the next step as its rollback signal.
+decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
+tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
+result says how many positions stay, and the difference travels on the next step as its
+rollback signal.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ class GenerationEngine:
                 yield GenerationChunk(tokens, finish, drafted, accepted, logprobs, top)
                 if finish:
                     return
-                step = self._next_step(step, result, request.options.mtp)
+                drafts = result.drafts if request.options.mtp else ()
+                # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
+                drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
+                step = self._next_step(step, result, drafts)
                 result = await self.pipeline.submit(step)
         finally:
             await asyncio.shield(self.pipeline.release(rid))
@@ -149,14 +153,12 @@ class GenerationEngine:
         return steps[-1], results[-1]
 
     @staticmethod
-    def _next_step(step: StepRequest, result: StepResult, mtp: bool) -> StepRequest:
-        last = result.tokens[-1]
-        draft = result.draft if mtp else None
+    def _next_step(step: StepRequest, result: StepResult, drafts: tuple[int, ...]) -> StepRequest:
         return StepRequest(
             step.request_id,
-            (last,) if draft is None else (last, draft),
+            (result.tokens[-1], *drafts),
             position=step.position + result.keep,
-            draft_len=0 if draft is None else 1,
+            draft_len=len(drafts),
             rollback=len(step.tokens) - result.keep,
         )
 

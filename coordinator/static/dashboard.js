@@ -58,6 +58,9 @@ function nodeCard(node, index) {
     ["Step latency", el("dd", "mono", `${node.step_latency_ms.toFixed(1)} ms`)],
     ["Heartbeat", heartbeat],
   ];
+  if (node.weights_fraction !== null && node.weights_fraction !== undefined) {
+    rows.push(["Weights", el("dd", "mono", `fetching ${(node.weights_fraction * 100).toFixed(0)}%`)]);
+  }
   for (const [label, value] of rows) kv.append(el("dt", "", label), value);
 
   card.append(head, roles, kv, meter("Memory", node.memory_used_bytes, node.memory_total_bytes, stageColor(index)));
