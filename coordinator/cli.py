@@ -52,6 +52,19 @@ NODE_START_TIMEOUT_S = 60.0
     help="Cluster certificate (PEM) when the nodes serve TLS.",
 )
 @click.option(
+    "--tls-key",
+    envvar="CLUSTER_TLS_KEY",
+    type=click.Path(exists=True),
+    default=None,
+    help="The certificate's key: with TLS, needed to serve weights to nodes.",
+)
+@click.option(
+    "--weights-port",
+    type=int,
+    default=0,
+    help="Port of the weights service that nodes fetch from [default: any free port].",
+)
+@click.option(
     "--api-key",
     envvar=API_KEY_ENV,
     default=None,
@@ -80,6 +93,8 @@ def coordinator_command(
     max_running: int,
     max_queued: int,
     tls_cert: str | None,
+    tls_key: str | None,
+    weights_port: int,
     api_key: str | None,
     api_key_file: Path | None,
     open_monitoring: bool,
@@ -103,7 +118,8 @@ def coordinator_command(
                 use_all=all_nodes,
                 max_running=max_running,
                 max_queued=max_queued,
-                tls=TLSConfig.from_files(tls_cert),
+                tls=TLSConfig.from_files(tls_cert, tls_key),
+                weights_port=weights_port,
                 api_keys=keys,
             )
         )

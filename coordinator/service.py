@@ -287,6 +287,7 @@ async def run_coordinator(
     started: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
     api_keys: ApiKeys | None = None,
+    weights_port: int = 0,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     api_keys = api_keys or ApiKeys()
@@ -301,6 +302,7 @@ async def run_coordinator(
         use_all=use_all,
         concurrency=max_running,
         tls=tls,
+        weights_port=weights_port,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()
