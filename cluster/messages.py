@@ -104,6 +104,9 @@ class StepRequest:
     rollback: int = 0
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
     options: RequestOptions | None = None  # set on the first step of a request only
+    # A constrained request's allowed tokens (cluster.decode.token_mask), one bitmask per
+    # sampled position: after the confirmed tokens, then after each draft.
+    token_masks: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -112,6 +115,8 @@ class StepRequest:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):
             raise RequestError("draft_len must leave at least one confirmed token")
+        if self.token_masks and (not self.sample or len(self.token_masks) != self.draft_len + 1):
+            raise RequestError("token_masks needs one mask per sampled position")
 
     @property
     def n_confirmed(self) -> int:

@@ -216,6 +216,7 @@ def step_batch_to_proto(
                 draft_len=e.draft_len,
                 rollback=e.rollback,
                 sample=e.sample,
+                token_masks=e.token_masks,
             )
             if e.options is not None:
                 options_to_proto(e.options, m.options)
@@ -239,6 +240,7 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
             rollback=m.rollback,
             sample=m.sample if m.HasField("sample") else _SAMPLE_DEFAULT,
             options=options_from_proto(m.options) if m.HasField("options") else None,
+            token_masks=tuple(m.token_masks),
         )
         for m in msg.entries
     ]
