@@ -20,6 +20,10 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from cluster.messages import RequestError
 from coordinator.openai_schema import ApiError
 
+# No whitespace between the JSON's tokens: free whitespace lets a small model fill its whole
+# budget with blank lines, and costs tokens even when it does not.
+COMPACT_JSON = {"whitespace_flexible": False}
+
 
 class JsonConstraint:
     """One reply's grammar state (a `TokenConstraint`)."""
@@ -28,6 +32,7 @@ class JsonConstraint:
         self._matcher = matcher
         self._bitmask = allocate_token_bitmask(1, vocab)
         self._any = b"\xff" * self._bitmask.nbytes
+        self.refused_drafts = 0  # MTP drafts the grammar did not allow (the tail rejects them)
 
     def masks(self, drafts: tuple[int, ...]) -> tuple[bytes, ...]:
         matcher = self._matcher
@@ -39,6 +44,7 @@ class JsonConstraint:
         if valid:
             matcher.rollback(valid)
         # Past a draft the grammar refuses, the tail rejects that draft first: any mask does.
+        self.refused_drafts += len(drafts) > valid
         out += [self._any] * (len(drafts) - valid)
         return tuple(out)
 
@@ -64,7 +70,9 @@ class JsonGrammars:
         """A fresh matcher for `schema`; a schema llguidance cannot take is a 400."""
         ll_tokenizer = self._llguidance_tokenizer()
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults=COMPACT_JSON
+            )
             matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
         except (ValueError, TypeError) as exc:
             raise _bad_schema(str(exc)) from exc
