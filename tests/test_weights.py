@@ -35,6 +35,7 @@ from cluster.weights.listing import models_command
 from cluster.weights.manifest import build_manifest, manifest_for, read_safetensors_header
 from cluster.weights.service import (
     FETCH_METHOD,
+    Transfers,
     WeightsService,
     decode_chunk,
     encode_chunk,
@@ -383,12 +384,6 @@ def test_the_chunk_codec_is_protobufs():
         assert bytes(decode_chunk(raw)) == data
 
 
-def test_progress_reaches_the_bars(source):
-    transfers = {t.node_id: t for t in source.service.transfers.snapshot()}
-    assert transfers, "the transfers above were recorded"
-    assert all(t.done and t.sent_bytes > 0 for t in transfers.values())
-
-
 # ---- through the coordinator: placement, a node's death, progress ----
 
 
@@ -443,3 +438,28 @@ def test_the_node_reports_its_fetch_as_a_fraction():
     done = pb.NodeInfo(weights_fetched_bytes=9, weights_fetch_total_bytes=9)
     assert transfer_fraction(done) is None
     assert transfer_fraction(pb.NodeInfo()) is None
+
+
+def test_the_bars_show_each_transfer_to_a_node_to_its_end():
+    transfers = Transfers()
+    log, tty = io.StringIO(), _Terminal()
+    bars = [ProgressBars(log), ProgressBars(tty)]
+    for total in (100, 60):  # a load, then a re-placement's
+        transfer = transfers.open("mac-1", total)
+        for sent in (total // 2, total - total // 2):
+            transfers.sent(transfer, sent)
+            for bar in bars:
+                bar.draw(transfers.snapshot(), time.monotonic())
+        transfers.close(transfer)
+        for bar in bars:
+            bar.draw(transfers.snapshot(), time.monotonic())
+        transfer.updated -= 2  # as if a while ago: the next open is a new transfer
+    lines = log.getvalue().splitlines()
+    assert [line.split()[-1] for line in lines if "done" in line] == ["done", "done"]
+    assert " 50%" in lines[0] and "100.0/100.0 MiB" not in lines[0]
+    assert tty.getvalue().count("done") == 2 and "\x1b[" in tty.getvalue()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
