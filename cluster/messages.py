@@ -15,6 +15,8 @@ from typing import Literal
 MAX_MTP_DEPTH = 8  # drafts per step; a GPU step of up to 8 rows costs about what one costs
 MtpDepth = int | Literal["auto"]
 
+MAX_TOP_LOGPROBS = 20
+
 
 class RequestError(ValueError):
     """A request that cannot be served as asked (bad parameters, too long, unknown id...)."""
@@ -58,11 +60,16 @@ class RequestOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mtp: bool = True
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: how many of the likeliest tokens come with each
     # Drafts per step when `mtp`: a fixed count (0 feeds the MTP head but never drafts), or
     # "auto": the tail picks the count that pays best (cluster.decode.mtp_depth).
     mtp_depth: MtpDepth = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs")
         depth = self.mtp_depth
         if depth != "auto" and not (
             isinstance(depth, int) and not isinstance(depth, bool) and 0 <= depth <= MAX_MTP_DEPTH
@@ -129,6 +136,8 @@ class StepResult:
     drafted: int = 0
     accepted: int = 0
     logprobs: tuple[float, ...] | None = None
+    # Per emitted token, the likeliest (token, logprob) pairs, likeliest first, when asked.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.messages import RequestError, SamplingParams
+from cluster.messages import MAX_TOP_LOGPROBS, RequestError, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one costs a scan of the held-back text
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions get the same here
 # The fields both endpoints read; each endpoint adds its own (see `check_fields`).
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",

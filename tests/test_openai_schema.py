@@ -243,6 +243,23 @@ def test_completion_prompts():
     assert prompt([[4, 5]]) == (4, 5)
 
 
+def test_logprobs_requests():
+    def chat(**fields: Any) -> int | None:
+        return parse_chat_request(
+            _chat(**fields), model_id=MODEL, max_context=CONTEXT
+        ).params.top_logprobs
+
+    def completion(**fields: Any) -> int | None:
+        raw = _completion(**fields)
+        return parse_completion_request(
+            raw, model_id=MODEL, max_context=CONTEXT
+        ).params.top_logprobs
+
+    assert (chat(), chat(logprobs=False), chat(logprobs=True)) == (None, None, 0)
+    assert chat(logprobs=True, top_logprobs=20) == 20
+    assert (completion(), completion(logprobs=0), completion(logprobs=5)) == (None, 0, 5)
+
+
 def test_stop_strings_are_deduplicated_in_order():
     stop = parse_chat_request(_chat(stop=["b", "a", "b"]), model_id=MODEL, max_context=CONTEXT)
     assert stop.params.stop == ("b", "a")

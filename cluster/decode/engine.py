@@ -43,6 +43,8 @@ class GenerationChunk:
     drafted: int  # cumulative
     accepted: int  # cumulative
     logprobs: tuple[float, ...] | None = None  # of `tokens`, when the request asked for them
+    # Per token of `tokens`, the likeliest (token, logprob) pairs, when asked for.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,8 @@ class GenerationEngine:
                 tokens, finish = _cut(result.tokens, request, produced)
                 produced += len(tokens)
                 logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
-                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs)
+                top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
+                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs, top)
                 if finish:
                     return
                 drafts = result.drafts if request.options.mtp else ()
