@@ -10,9 +10,11 @@ model; the nodes are real `cluster node` processes, each with its own cache dire
 from __future__ import annotations
 
 import asyncio
+import http.server
 import io
 import json
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from cluster.weights.service import (
     serve_weights,
 )
 from cluster.weights.store import WeightsStore
+from coordinator.cli import status_command
 from coordinator.discovery import NodeDirectory
 from coordinator.progress import ProgressBars, transfer_fraction
 from coordinator.service import Coordinator
@@ -463,3 +466,32 @@ def test_the_bars_show_each_transfer_to_a_node_to_its_end():
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+def test_cluster_status_shows_a_node_fetching_its_weights():
+    node = {
+        "node_id": "mac-2", "address": "10.0.0.2:50151", "start": 4, "end": 8, "is_head": False,
+        "is_tail": True, "up": True, "memory_used_bytes": 2**30, "memory_total_bytes": 2**34,
+        "step_latency_ms": 0.0, "weights_fraction": 0.42,
+    }  # fmt: skip
+    body = json.dumps({"stats": {}, "nodes": [node, {**node, "weights_fraction": None}]})
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = CliRunner().invoke(status_command, ["--url", url])
+    finally:
+        server.shutdown()
+    assert out.exit_code == 0, out.output
+    rows = out.output.splitlines()[2:]
+    assert rows[0].endswith("fetching weights 42%") and "fetching" not in rows[1]
