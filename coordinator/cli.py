@@ -50,6 +50,11 @@ NODE_START_TIMEOUT_S = 60.0
     default=None,
     help="Cluster certificate (PEM) when the nodes serve TLS.",
 )
+@click.option(
+    "--no-prefix-cache",
+    is_flag=True,
+    help="Do not keep conversation (prefix) snapshots on the nodes.",
+)
 def coordinator_command(
     nodes: str,
     model_dir: Path | None,
@@ -62,6 +67,7 @@ def coordinator_command(
     max_running: int,
     max_queued: int,
     tls_cert: str | None,
+    no_prefix_cache: bool,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
     static = [n for n in nodes.split(",") if n]
@@ -79,6 +85,7 @@ def coordinator_command(
                 max_running=max_running,
                 max_queued=max_queued,
                 tls=TLSConfig.from_files(tls_cert),
+                prefix_cache=not no_prefix_cache,
             )
         )
     except KeyboardInterrupt:

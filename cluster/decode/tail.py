@@ -47,6 +47,10 @@ class TailRequest:
     pending_hidden: mx.array | None = None
     draft: int | None = None
     draft_logprobs: mx.array | None = None  # [vocab], the distribution `draft` came from
+    # The MTP inputs of the last sampled step from its last confirmed position on (where its
+    # kept positions may end), from position `recent_start`: a prefix snapshot's pending pair.
+    recent_inputs: mx.array | None = None
+    recent_start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -129,6 +133,9 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
         hidden = mtp_input[:, job.offset : job.offset + n]
+        if c is not None:
+            state.recent_inputs = hidden[:, step.n_confirmed - 1 :]
+            state.recent_start = step.position + step.n_confirmed - 1
         if c is None:  # an intermediate prefill chunk: the last position waits for its token
             tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]
