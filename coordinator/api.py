@@ -21,15 +21,18 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from aiohttp import web
-from jinja2 import TemplateError
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
+from coordinator.api_keys import ApiKeys, api_key_middleware
+from coordinator.chat_prompt import render_chat_prompt
+from coordinator.chat_reply import ChatReply
+from coordinator.chat_request import parse_chat_request
+from coordinator.logprobs import TokenLogprob, TokenText, chat_logprobs, completion_logprobs
 from coordinator.metrics import ClusterView, RequestCounters, cluster_json, render_prometheus
 from coordinator.openai_schema import (
     ApiError,
-    ChatRequest,
     CommonParams,
     CompletionRequest,
     ResponseIdentity,
@@ -38,11 +41,11 @@ from coordinator.openai_schema import (
     chat_completion,
     chat_usage_chunk,
     model_list,
-    parse_chat_request,
     parse_completion_request,
     text_completion,
     text_usage_chunk,
 )
+from coordinator.partial_text import split_at_partial_marker
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +77,19 @@ def create_app(
     model_id: str,
     admission: AdmissionController,
     counters: RequestCounters | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
     `tokenizer` is mlx-lm's `TokenizerWrapper`. Pass the same `counters` to the `ClusterView`
     that reports `ClusterStats`, so that the requests counted here show up in its stats.
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
-    up cancels its request at once, not only at the next write.
+    up cancels its request at once, not only at the next write. With `api_keys`, the routes
+    they guard need `Authorization: Bearer KEY`.
     """
     api = _Api(engine, tokenizer, view, model_id, admission, counters or RequestCounters())
-    app = web.Application(middlewares=[_openai_errors])
+    keys = api_keys or ApiKeys()
+    app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
     app.router.add_post("/v1/completions", api.counted(api.completions))
     app.router.add_get("/v1/models", api.models)
@@ -127,22 +133,13 @@ class StopMatcher:
         if found:
             self._held = ""
             return buffer[: min(found)], True
-        keep = self._longest_stop_prefix_suffix(buffer)
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep], False
+        safe, self._held = split_at_partial_marker(buffer, self._stops)
+        return safe, False
 
     def flush(self) -> str:
         """The held-back text, once the generation has ended without a stop string."""
         held, self._held = self._held, ""
         return held
-
-    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
-        longest = max((len(stop) - 1 for stop in self._stops), default=0)
-        for size in range(min(longest, len(buffer)), 0, -1):
-            tail = buffer[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0
 
 
 class TextStream:
@@ -163,6 +160,9 @@ class TextStream:
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the conversation cache spared
         self.finish_reason: str | None = None
+        # Every emitted token's logprob (when asked for), and how many were already taken.
+        self.logprobs: list[TokenLogprob] | None = [] if request.options.logprobs else None
+        self._logprobs_taken = 0
 
     async def next_text(self) -> str | None:
         while self.finish_reason is None:
@@ -171,6 +171,14 @@ class TextStream:
             if text or self.finish_reason is not None:
                 return text
         return None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens absorbed since the last call (None: not asked for)."""
+        if self.logprobs is None:
+            return None
+        new = self.logprobs[self._logprobs_taken :]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     async def aclose(self) -> None:
         """Close the engine's stream: a request still running is cancelled on every node."""
@@ -198,9 +206,10 @@ class TextStream:
             return text + self._stops.flush()
         self.completion_tokens += len(chunk.tokens)
         self.cached_tokens = chunk.cached_tokens
-        for token in chunk.tokens:
+        for i, token in enumerate(chunk.tokens):
             if token not in self._stop_tokens:  # an end-of-turn token is not text
                 self._detokenizer.add_token(token)
+                self._absorb_logprob(chunk, i)
         if chunk.finish_reason is not None:
             self._detokenizer.finalize()
         text, stopped = self._stops.feed(self._detokenizer.last_segment)
@@ -211,46 +220,95 @@ class TextStream:
             text += self._stops.flush()
         return text
 
+    def _absorb_logprob(self, chunk: GenerationChunk, i: int) -> None:
+        if self.logprobs is None:
+            return
+        if chunk.logprobs is None or len(chunk.logprobs) <= i:
+            raise ApiError(502, "the engine sent no logprobs", type="server_error")
+        top = chunk.top_logprobs[i] if chunk.top_logprobs else ()
+        self.logprobs.append(TokenLogprob(chunk.tokens[i], chunk.logprobs[i], top))
+
+
+_Logprobs = list[TokenLogprob] | None
+
 
 class _ChatFormat:
-    """The chat.completion(.chunk) objects of one response."""
+    """The chat.completion(.chunk) objects of one response: reasoning, content, tool calls.
 
-    def __init__(self, model: str) -> None:
+    Streamed logprobs ride on the next chunk that goes out (text may be held back a while).
+    """
+
+    def __init__(self, model: str, reply: ChatReply, token_text: TokenText) -> None:
         self.ident = ResponseIdentity.new("chatcmpl", model)
+        self.reply = reply
+        self._token_text = token_text
+        self._pending: list[TokenLogprob] = []
 
     def opening(self) -> list[dict[str, Any]]:
         return [chat_chunk(self.ident, {"role": "assistant", "content": ""})]
 
-    def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        out = [chat_chunk(self.ident, {"content": text})] if text else []
+    def pieces(
+        self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
+    ) -> list[dict[str, Any]]:
+        deltas = self.reply.feed(text)
         if finish_reason is not None:
-            out.append(chat_chunk(self.ident, {}, finish_reason))
+            deltas += self.reply.finish()
+        out = [chat_chunk(self.ident, delta) for delta in deltas]
+        if finish_reason is not None:
+            out.append(chat_chunk(self.ident, {}, self.reply.finish_reason(finish_reason)))
+        if logprobs is not None:
+            self._pending += logprobs
+            if out and self._pending:
+                out[0]["choices"][0]["logprobs"] = chat_logprobs(self._pending, self._token_text)
+                self._pending = []
         return out
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return chat_usage_chunk(self.ident, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return chat_completion(self.ident, text, finish_reason, usage)
+    def whole(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: _Logprobs = None
+    ) -> dict[str, Any]:
+        self.reply.feed(text)
+        self.reply.finish()
+        reason = self.reply.finish_reason(finish_reason)
+        shaped = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
+        return chat_completion(self.ident, self.reply.message(), reason, usage, shaped)
 
 
 class _TextFormat:
     """The text_completion objects of one response."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, token_text: TokenText, alternatives: int) -> None:
         self.ident = ResponseIdentity.new("cmpl", model)
+        self._token_text = token_text
+        self._alternatives = alternatives
+        self._offset = 0  # of the next logprobs' text in the completion
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        return [text_completion(self.ident, text, finish_reason, None)]
+    def pieces(
+        self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
+    ) -> list[dict[str, Any]]:
+        return [text_completion(self.ident, text, finish_reason, None, self._shape(logprobs))]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return text_usage_chunk(self.ident, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return text_completion(self.ident, text, finish_reason, usage)
+    def whole(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: _Logprobs = None
+    ) -> dict[str, Any]:
+        return text_completion(self.ident, text, finish_reason, usage, self._shape(logprobs))
+
+    def _shape(self, logprobs: _Logprobs) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        shaped = completion_logprobs(
+            logprobs, self._token_text, offset=self._offset, alternatives=self._alternatives
+        )
+        self._offset += sum(len(token) for token in shaped["tokens"])
+        return shaped
 
 
 _Format = _ChatFormat | _TextFormat
@@ -276,6 +334,7 @@ class _Api:
         self._admission = admission
         self._counters = counters
         self._stop_tokens = stop_token_ids(tokenizer)
+        self._token_text = TokenText(tokenizer)
         self._created = int(time.time())
 
     # --- OpenAI endpoints -------------------------------------------------------------------
@@ -285,15 +344,18 @@ class _Api:
         chat = parse_chat_request(
             await request.read(), model_id=self._model_id, max_context=max_context
         )
-        fmt = _ChatFormat(chat.params.model)
-        return await self._generate(request, self._chat_prompt(chat), chat.params, fmt)
+        prompt = render_chat_prompt(self._tokenizer, chat)
+        reply = ChatReply(prompt, chat.offered_tools)
+        fmt = _ChatFormat(chat.params.model, reply, self._token_text)
+        return await self._generate(request, prompt.tokens, chat.params, fmt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         max_context = self._engine.max_context
         completion = parse_completion_request(
             await request.read(), model_id=self._model_id, max_context=max_context
         )
-        fmt = _TextFormat(completion.params.model)
+        params = completion.params
+        fmt = _TextFormat(params.model, self._token_text, params.top_logprobs or 0)
         return await self._generate(request, self._text_prompt(completion), completion.params, fmt)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -352,16 +414,6 @@ class _Api:
 
         return counted_handler
 
-    def _chat_prompt(self, chat: ChatRequest) -> tuple[int, ...]:
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        try:
-            ids = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-        except TemplateError as exc:  # templates reject e.g. a conversation in a bad order
-            raise ApiError(400, f"the chat template rejected the messages: {exc}") from exc
-        return tuple(int(token) for token in ids)
-
     def _text_prompt(self, completion: CompletionRequest) -> tuple[int, ...]:
         if isinstance(completion.prompt, str):
             return tuple(self._tokenizer.encode(completion.prompt))
@@ -386,7 +438,11 @@ class _Api:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
-        options = RequestOptions(sampling=params.sampling)
+        options = RequestOptions(
+            sampling=params.sampling,
+            logprobs=params.top_logprobs is not None,
+            top_logprobs=params.top_logprobs or 0,
+        )
         try:
             return GenerationRequest(prompt, max_tokens, options, self._stop_tokens)
         except RequestError as exc:
@@ -423,7 +479,7 @@ class _Api:
                 log.info("client went away; cancelling its request")
                 break
         usage = Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)
-        body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage)
+        body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
     async def _send_events(
@@ -443,7 +499,7 @@ class _Api:
             for obj in fmt.opening():
                 await _send_event(response, obj)
             while text is not None:
-                for obj in fmt.pieces(text, stream.finish_reason):
+                for obj in fmt.pieces(text, stream.finish_reason, stream.take_logprobs()):
                     await _send_event(response, obj)
                 text = await stream.next_text()
             if params.include_usage:

@@ -24,6 +24,7 @@ from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
+from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 RATE_WINDOW_S = 10.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class MeteredEngine:
@@ -292,9 +294,14 @@ async def run_coordinator(
     announce: bool = True,
     started: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    api_keys: ApiKeys | None = None,
+    weights_port: int = 0,
     prefix_cache: bool = True,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
+    api_keys = api_keys or ApiKeys()
+    if not api_keys.enabled and host not in LOOPBACK_HOSTS:
+        log.warning("serving on %s without an API key: anyone who reaches it may use it", host)
     directory = NodeDirectory(nodes, browse=browse)
     coordinator = Coordinator(
         model_dir,
@@ -304,6 +311,7 @@ async def run_coordinator(
         use_all=use_all,
         concurrency=max_running,
         tls=tls,
+        weights_port=weights_port,
         prefix_cache=prefix_cache,
     )
     tokenizer = load_tokenizer(model_dir)
@@ -317,6 +325,7 @@ async def run_coordinator(
             max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
         ),
         counters=coordinator.counters,
+        api_keys=api_keys,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

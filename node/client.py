@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
 LOAD_TIMEOUT_S = 900.0
+# A load that may fetch the shard's weights first (tens of GB over a slow link); a dead peer
+# still surfaces within seconds through the channels' keepalive.
+FETCHING_LOAD_TIMEOUT_S = 12 * 3600.0
 
 
 class NodeUnavailable(ConnectionError):
@@ -65,7 +68,8 @@ class NodeClient:
         return info
 
     async def load_shard(self, request: pb.LoadShardRequest) -> pb.NodeInfo:
-        return await self._call(self.stub.LoadShard, request, LOAD_TIMEOUT_S)
+        timeout = FETCHING_LOAD_TIMEOUT_S if request.model_digest else LOAD_TIMEOUT_S
+        return await self._call(self.stub.LoadShard, request, timeout)
 
     async def release(self, request_id: str) -> bool:
         reply = await self._call(self.stub.Release, pb.ReleaseRequest(request_id=request_id))

@@ -131,14 +131,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RequestOptions(_message.Message):
-    __slots__ = ("sampling", "mtp", "logprobs")
+    __slots__ = ("sampling", "mtp", "logprobs", "top_logprobs", "mtp_depth", "mtp_depth_auto")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MTP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MTP_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MTP_DEPTH_AUTO_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
     mtp: bool
     logprobs: bool
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    mtp_depth: int
+    mtp_depth_auto: bool
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
     __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "prefix_from", "prefix_save")
@@ -183,24 +189,34 @@ class ResultsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ResultEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "keep", "draft", "drafted", "accepted", "logprobs", "has_logprobs")
+    __slots__ = ("request_id", "tokens", "keep", "drafts", "drafted", "accepted", "logprobs", "has_logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     keep: int
-    draft: int
+    drafts: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     accepted: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     has_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., keep: _Optional[int] = ..., draft: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., keep: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("tokens", "logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("request_id", "code", "message")

@@ -3,9 +3,10 @@
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
 so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down), then
-decode steps. With MTP, each decode step feeds `[y, d]`: the last emitted token and the tail's
-draft of the next one; the result says how many positions stay, and the difference travels on
-the next step as its rollback signal.
+decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
+tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
+result says how many positions stay, and the difference travels on the next step as its
+rollback signal.
 
 With a `PrefixIndex` (the conversation cache), a prompt that extends a cached prefix starts
 from that prefix's snapshot on every shard and prefills only the rest; the end of the prompt
@@ -48,6 +49,8 @@ class GenerationChunk:
     drafted: int  # cumulative
     accepted: int  # cumulative
     logprobs: tuple[float, ...] | None = None  # of `tokens`, when the request asked for them
+    # Per token of `tokens`, the likeliest (token, logprob) pairs, when asked for.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     cached_tokens: int = 0  # prompt tokens taken from the conversation cache, not prefilled
 
 
@@ -131,10 +134,16 @@ class GenerationEngine:
                 tokens, finish = _cut(result.tokens, request, produced)
                 produced += len(tokens)
                 logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
-                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs, cached)
+                top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
+                yield GenerationChunk(
+                    tokens, finish, drafted, accepted, logprobs, top, cached_tokens=cached
+                )
                 if finish:
                     return
-                step = self._next_step(step, result, request.options.mtp)
+                drafts = result.drafts if request.options.mtp else ()
+                # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
+                drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
+                step = self._next_step(step, result, drafts)
                 settled = None
                 result = await self.pipeline.submit(step)
         finally:
@@ -261,14 +270,12 @@ class GenerationEngine:
         task.add_done_callback(self._background.discard)
 
     @staticmethod
-    def _next_step(step: StepRequest, result: StepResult, mtp: bool) -> StepRequest:
-        last = result.tokens[-1]
-        draft = result.draft if mtp else None
+    def _next_step(step: StepRequest, result: StepResult, drafts: tuple[int, ...]) -> StepRequest:
         return StepRequest(
             step.request_id,
-            (last,) if draft is None else (last, draft),
+            (result.tokens[-1], *drafts),
             position=step.position + result.keep,
-            draft_len=0 if draft is None else 1,
+            draft_len=len(drafts),
             rollback=len(step.tokens) - result.keep,
         )
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
+from cluster.decode.step_cost import StepCost
 from cluster.decode.tail import Tail, TailRequest
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
 from cluster.model.cache import RequestCache
@@ -67,7 +68,12 @@ class ShardRunner:
         self.shard = shard
         self.spec = shard.spec
         self.cache_budget_bytes = cache_budget_bytes
-        self.tail = Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm) if shard.spec.is_tail else None
+        self.step_cost = StepCost()  # this shard's batches, timed (read by the MTP depth policy)
+        self.tail = (
+            Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm, step_cost=self.step_cost)
+            if shard.spec.is_tail
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         # Ids released lately: a step still on its way when its request was released (a
         # client that hung up mid-prefill) must not open the request again.
@@ -79,6 +85,14 @@ class ShardRunner:
     # -- the per-step path ------------------------------------------------------------------
 
     def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
+        started = time.perf_counter()
+        output = self._run(steps, hidden)
+        if output.steps:
+            positions = sum(len(step.tokens) for step in output.steps)
+            self.step_cost.record(positions, time.perf_counter() - started)
+        return output
+
+    def _run(self, steps: list[StepRequest], hidden: mx.array | None) -> BatchOutput:
         errors: dict[str, RequestError] = {}
         runnable: list[tuple[int, StepRequest, RequestState]] = []
         start = 0
@@ -131,9 +145,8 @@ class ShardRunner:
                 f"request {step.request_id!r}: step at position {step.position} with rollback "
                 f"{step.rollback}, but the caches hold {state.cache.position} positions"
             )
-        # Only the tail knows the draft it made (and the distribution it drew it from).
-        if state.tail is not None and step.draft_len and step.tokens[-1] != state.tail.draft:
-            raise RequestError(f"request {step.request_id!r}: the draft is not the tail's")
+        if state.tail is not None:
+            Tail.check_drafts(state.tail, step)
         self._check_budget(state, len(step.tokens))
         state.last_used = time.monotonic()
         return state
