@@ -104,6 +104,11 @@ class StepRequest:
     rollback: int = 0
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
     options: RequestOptions | None = None  # set on the first step of a request only
+    # The conversation cache (cluster.decode.snapshots): open the request from the prefix
+    # snapshot of this id, which holds the `position` positions before this step; keep a
+    # snapshot of this id of the caches after this step. 0: none.
+    prefix_from: int = 0
+    prefix_save: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -112,6 +117,12 @@ class StepRequest:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):
             raise RequestError("draft_len must leave at least one confirmed token")
+        if self.prefix_from < 0 or self.prefix_save < 0:
+            raise RequestError("prefix snapshot ids must be >= 0")
+        if self.prefix_from and self.position == 0:
+            raise RequestError("a step that starts from a prefix snapshot has position > 0")
+        if self.prefix_save and self.draft_len:
+            raise RequestError("a prefix snapshot is taken after a step without drafts")
 
     @property
     def n_confirmed(self) -> int:

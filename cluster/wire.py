@@ -216,6 +216,8 @@ def step_batch_to_proto(
                 draft_len=e.draft_len,
                 rollback=e.rollback,
                 sample=e.sample,
+                prefix_from=e.prefix_from,
+                prefix_save=e.prefix_save,
             )
             if e.options is not None:
                 options_to_proto(e.options, m.options)
@@ -239,6 +241,8 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
             rollback=m.rollback,
             sample=m.sample if m.HasField("sample") else _SAMPLE_DEFAULT,
             options=options_from_proto(m.options) if m.HasField("options") else None,
+            prefix_from=m.prefix_from,
+            prefix_save=m.prefix_save,
         )
         for m in msg.entries
     ]
