@@ -107,6 +107,11 @@ class StepRequest:
     # A constrained request's allowed tokens (cluster.decode.token_mask), one bitmask per
     # sampled position: after the confirmed tokens, then after each draft.
     token_masks: tuple[bytes, ...] = ()
+    # The conversation cache (cluster.decode.snapshots): open the request from the prefix
+    # snapshot of this id, which holds the `position` positions before this step; keep a
+    # snapshot of this id of the caches after this step. 0: none.
+    prefix_from: int = 0
+    prefix_save: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -117,6 +122,12 @@ class StepRequest:
             raise RequestError("draft_len must leave at least one confirmed token")
         if self.token_masks and (not self.sample or len(self.token_masks) != self.draft_len + 1):
             raise RequestError("token_masks needs one mask per sampled position")
+        if self.prefix_from < 0 or self.prefix_save < 0:
+            raise RequestError("prefix snapshot ids must be >= 0")
+        if self.prefix_from and self.position == 0:
+            raise RequestError("a step that starts from a prefix snapshot has position > 0")
+        if self.prefix_save and self.draft_len:
+            raise RequestError("a prefix snapshot is taken after a step without drafts")
 
     @property
     def n_confirmed(self) -> int:

@@ -217,6 +217,8 @@ def step_batch_to_proto(
                 rollback=e.rollback,
                 sample=e.sample,
                 token_masks=e.token_masks,
+                prefix_from=e.prefix_from,
+                prefix_save=e.prefix_save,
             )
             if e.options is not None:
                 options_to_proto(e.options, m.options)
@@ -241,6 +243,8 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
             sample=m.sample if m.HasField("sample") else _SAMPLE_DEFAULT,
             options=options_from_proto(m.options) if m.HasField("options") else None,
             token_masks=tuple(m.token_masks),
+            prefix_from=m.prefix_from,
+            prefix_save=m.prefix_save,
         )
         for m in msg.entries
     ]

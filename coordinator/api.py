@@ -160,6 +160,7 @@ class TextStream:
         self._stops = StopMatcher(stops)
         self._stop_tokens = request.stop_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the conversation cache spared
         self.finish_reason: str | None = None
         # Every emitted token's logprob (when asked for), and how many were already taken.
         self.logprobs: list[TokenLogprob] | None = [] if request.options.logprobs else None
@@ -206,6 +207,7 @@ class TextStream:
             text, _ = self._stops.feed(self._detokenizer.last_segment)
             return text + self._stops.flush()
         self.completion_tokens += len(chunk.tokens)
+        self.cached_tokens = chunk.cached_tokens
         for i, token in enumerate(chunk.tokens):
             if token not in self._stop_tokens:  # an end-of-turn token is not text
                 self._detokenizer.add_token(token)
@@ -495,7 +497,7 @@ class _Api:
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
-        usage = Usage(prompt_tokens, stream.completion_tokens)
+        usage = Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)
         body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
@@ -521,7 +523,8 @@ class _Api:
                 text = await stream.next_text()
             if params.include_usage:
                 await _send_event(
-                    response, fmt.usage(Usage(prompt_tokens, stream.completion_tokens))
+                    response,
+                    fmt.usage(Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)),
                 )
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:  # failed after the headers went out: say so in the stream

@@ -81,6 +81,11 @@ NODE_START_TIMEOUT_S = 60.0
     is_flag=True,
     help="With API keys: leave /metrics, /health and the dashboard's data open.",
 )
+@click.option(
+    "--no-prefix-cache",
+    is_flag=True,
+    help="Do not keep conversation (prefix) snapshots on the nodes.",
+)
 def coordinator_command(
     nodes: str,
     model_dir: Path | None,
@@ -98,6 +103,7 @@ def coordinator_command(
     api_key: str | None,
     api_key_file: Path | None,
     open_monitoring: bool,
+    no_prefix_cache: bool,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
     static = [n for n in nodes.split(",") if n]
@@ -121,6 +127,7 @@ def coordinator_command(
                 tls=TLSConfig.from_files(tls_cert, tls_key),
                 weights_port=weights_port,
                 api_keys=keys,
+                prefix_cache=not no_prefix_cache,
             )
         )
     except KeyboardInterrupt:

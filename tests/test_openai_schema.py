@@ -281,7 +281,12 @@ def test_response_objects():
     assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert whole["choices"][0]["finish_reason"] == "stop"
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     chunk = chat_chunk(ident, {"content": "h"})
     assert chunk["object"] == "chat.completion.chunk"
     assert (chunk["id"], chunk["created"], chunk["model"]) == (ident.id, ident.created, MODEL)

@@ -65,6 +65,10 @@ class TailRequest:
     draft_logprobs: mx.array | None = None  # [k, vocab]: the distributions `drafts` came from
     speculative: int = 0  # MTP cache entries that chained drafts wrote (never confirmed)
     depth: DepthPolicy | None = None
+    # The MTP inputs of the last sampled step from its last confirmed position on (where its
+    # kept positions may end), from position `recent_start`: a prefix snapshot's pending pair.
+    recent_inputs: mx.array | None = None
+    recent_start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -190,6 +194,9 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
         hidden = mtp_input[:, job.offset : job.offset + n]
+        if c is not None:
+            state.recent_inputs = hidden[:, step.n_confirmed - 1 :]
+            state.recent_start = step.position + step.n_confirmed - 1
         if c is None:  # an intermediate prefill chunk: the last position waits for its token
             tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]

@@ -3,10 +3,10 @@
 `ensure_shard` returns a model directory holding a verified copy of the shard's tensors: the
 directory the coordinator named when it is on this machine and is the same model (by content),
 or else the node's cache, after fetching what is missing there. Every chunk is hashed as it
-arrives (in the stream's own thread; hashlib and pwrite release the GIL, so the streams run in
-parallel) and written only if it matches the manifest; a chunk that does not is asked for again
-(a few rounds), and a shard is returned only when every one of its chunks is verified, so
-nothing unverified is ever loaded.
+arrives (in a pool beside the receiving thread; hashlib and pwrite release the GIL) and written
+only if it matches the manifest; a chunk that does not is asked for again (a few rounds), and a
+shard is returned only when every one of its chunks is verified, so nothing unverified is ever
+loaded.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ STREAMS = max(1, min(4, (os.cpu_count() or 2) // 2))
 AHEAD = 2  # chunks per stream received but not yet verified and written
 ROUNDS = 3  # a chunk failing its hash this many times in a row fails the load
 MANIFEST_TIMEOUT_S = 60.0
-STALL_TIMEOUT_S = 3600.0  # a whole stream's deadline (very large shards over slow links)
+# A stream's deadline: generous for its bytes (a dead peer is caught sooner by keepalive).
+STREAM_DEADLINE_BASE_S = 600.0
+STREAM_DEADLINE_MIN_RATE = 2 * 2**20  # bytes/s
 CRASH_AFTER_ENV = "CLUSTER_TEST_WEIGHTS_CRASH_AFTER_BYTES"  # test hook: die mid-transfer
 
 
@@ -211,7 +213,8 @@ class ShardFetcher:
             pending: deque[Future] = deque()
             received = 0
             try:
-                for ref, data in zip(part, self._stream(stream, request), strict=False):
+                nbytes = sum(_chunk_len(cached.manifest, ref) for ref in part)
+                for ref, data in zip(part, self._stream(stream, request, nbytes), strict=False):
                     pending.append(workers.submit(verify_and_write, ref, data))
                     received += 1
                     while len(pending) > AHEAD:
@@ -230,10 +233,11 @@ class ShardFetcher:
                 future.result()
         return failed
 
-    def _stream(self, stream: int, request: pb.WeightsFetchRequest):
+    def _stream(self, stream: int, request: pb.WeightsFetchRequest, nbytes: int = 0):
         try:
             call = self._fetch_calls[stream]
-            yield from call(request, timeout=STALL_TIMEOUT_S, metadata=self.metadata)
+            timeout = STREAM_DEADLINE_BASE_S + nbytes / STREAM_DEADLINE_MIN_RATE
+            yield from call(request, timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as error:
             raise WeightsFetchError(
                 f"weights transfer from {self.address} failed: {error.details()}"

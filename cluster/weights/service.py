@@ -134,7 +134,11 @@ class Transfers:
     def open(self, node_id: str, total_bytes: int) -> Transfer:
         with self._lock:
             transfer = self._by_node.get(node_id)
-            if transfer is None or (transfer.done and transfer.total_bytes != total_bytes):
+            # The streams of one transfer open together; a finished record is a new transfer.
+            if transfer is None or (
+                transfer.done
+                and (transfer.total_bytes != total_bytes or time.monotonic() - transfer.updated > 1)
+            ):
                 transfer = self._by_node[node_id] = Transfer(node_id, total_bytes)
             transfer.streams_open += 1
             return transfer

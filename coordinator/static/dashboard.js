@@ -102,6 +102,8 @@ function drawStats(data) {
   $("stat-acceptance").textContent = `${(stats.acceptance_rate * 100).toFixed(1)}%`;
   $("stat-inflight").textContent = String(stats.requests_in_flight);
   $("stat-queued").textContent = admission ? `${admission.queued} / ${admission.max_queued}` : "—";
+  $("stat-prefix").textContent = `${stats.prefix_cache_hits} (${stats.prefix_cache_saved_tokens} tok saved)`;
+  $("stat-prefix").title = `${stats.prefix_cache_entries} prefixes cached on every node`;
   $("stat-requests").textContent = String(stats.requests_total);
   $("stat-errors").textContent = String(stats.errors_total);
   $("stat-errors").classList.toggle("bad", stats.errors_total > 0);
