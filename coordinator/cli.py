@@ -20,6 +20,7 @@ import click
 
 from cluster.config import bundled_model_path
 from cluster.local import parse_layers
+from cluster.messages import MtpDepth, RequestError, parse_mtp_depth
 from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
 from coordinator.service import run_coordinator
 from node.auth import TLSConfig
@@ -64,6 +65,12 @@ NODE_START_TIMEOUT_S = 60.0
     help="Accepted API keys, one a line (with or instead of --api-key).",
 )
 @click.option(
+    "--mtp-depth",
+    default="1",
+    show_default=True,
+    help="MTP drafts per step for requests that do not name theirs: 0-8 or auto.",
+)
+@click.option(
     "--open-monitoring",
     is_flag=True,
     help="With API keys: leave /metrics, /health and the dashboard's data open.",
@@ -82,6 +89,7 @@ def coordinator_command(
     tls_cert: str | None,
     api_key: str | None,
     api_key_file: Path | None,
+    mtp_depth: str,
     open_monitoring: bool,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
@@ -105,12 +113,20 @@ def coordinator_command(
                 max_queued=max_queued,
                 tls=TLSConfig.from_files(tls_cert),
                 api_keys=keys,
+                mtp_depth=_mtp_depth(mtp_depth),
             )
         )
     except KeyboardInterrupt:
         pass
     except (OSError, ValueError) as error:
         raise click.ClickException(str(error)) from error
+
+
+def _mtp_depth(text: str) -> MtpDepth:
+    try:
+        return parse_mtp_depth(text)
+    except RequestError as error:
+        raise click.BadParameter(str(error), param_hint="--mtp-depth") from error
 
 
 def _free_port() -> int:
