@@ -339,6 +339,15 @@ def test_fixed_depths_stay_fixed_and_auto_explores() -> None:
     assert chosen.count(0) == 30 and chosen.count(1) == 2
 
 
+def test_a_new_request_starts_from_the_nodes_acceptance() -> None:
+    node = Acceptance()
+    for _ in range(50):
+        DepthPolicy("auto", node).record(2, 0)  # every request's verdicts reach the node's
+    assert node.judged[0] > 10
+    assert DepthPolicy("auto", node).next_depth(_cost(1.0), 0) == 0
+    assert DepthPolicy("auto").next_depth(_cost(0.02), 0) == 4  # optimistic, rows nearly free
+
+
 def test_step_cost_interpolates_and_extrapolates() -> None:
     cost = StepCost()
     assert cost.seconds(3) is None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from cluster.decode.mtp_depth import DepthPolicy
+from cluster.decode.mtp_depth import Acceptance, DepthPolicy
 from cluster.decode.sampling import RequestRandom, log_probs, sample
 from cluster.decode.step_cost import StepCost
 from cluster.decode.verify import Candidates, decide, propose
@@ -112,6 +112,7 @@ class Tail:
         self.shard = shard
         self.mtp_reads_prenorm = mtp_reads_prenorm
         self.step_cost = step_cost if step_cost is not None else StepCost()
+        self.acceptance = Acceptance()  # over all requests: a new request's starting point
 
     def open(self, options: RequestOptions | None) -> TailRequest:
         options = options or RequestOptions()
@@ -119,7 +120,7 @@ class Tail:
         mtp_cache = (
             RequestCache.for_layers([False] * len(self.shard.mtp.layers)) if use_mtp else None
         )
-        depth = DepthPolicy(options.mtp_depth) if use_mtp else None
+        depth = DepthPolicy(options.mtp_depth, self.acceptance) if use_mtp else None
         return TailRequest(options, RequestRandom(options.sampling.seed), mtp_cache, depth=depth)
 
     @staticmethod
