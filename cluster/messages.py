@@ -15,6 +15,8 @@ from typing import Literal
 MAX_MTP_DEPTH = 8  # drafts per step; a GPU step of up to 8 rows costs about what one costs
 MtpDepth = int | Literal["auto"]
 
+MAX_TOP_LOGPROBS = 20
+
 
 class RequestError(ValueError):
     """A request that cannot be served as asked (bad parameters, too long, unknown id...)."""
@@ -58,11 +60,16 @@ class RequestOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mtp: bool = True
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: how many of the likeliest tokens come with each
     # Drafts per step when `mtp`: a fixed count (0 feeds the MTP head but never drafts), or
     # "auto": the tail picks the count that pays best (cluster.decode.mtp_depth).
     mtp_depth: MtpDepth = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs")
         depth = self.mtp_depth
         if depth != "auto" and not (
             isinstance(depth, int) and not isinstance(depth, bool) and 0 <= depth <= MAX_MTP_DEPTH
@@ -97,6 +104,11 @@ class StepRequest:
     rollback: int = 0
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
     options: RequestOptions | None = None  # set on the first step of a request only
+    # The conversation cache (cluster.decode.snapshots): open the request from the prefix
+    # snapshot of this id, which holds the `position` positions before this step; keep a
+    # snapshot of this id of the caches after this step. 0: none.
+    prefix_from: int = 0
+    prefix_save: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -105,6 +117,12 @@ class StepRequest:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):
             raise RequestError("draft_len must leave at least one confirmed token")
+        if self.prefix_from < 0 or self.prefix_save < 0:
+            raise RequestError("prefix snapshot ids must be >= 0")
+        if self.prefix_from and self.position == 0:
+            raise RequestError("a step that starts from a prefix snapshot has position > 0")
+        if self.prefix_save and self.draft_len:
+            raise RequestError("a prefix snapshot is taken after a step without drafts")
 
     @property
     def n_confirmed(self) -> int:
@@ -129,6 +147,8 @@ class StepResult:
     drafted: int = 0
     accepted: int = 0
     logprobs: tuple[float, ...] | None = None
+    # Per emitted token, the likeliest (token, logprob) pairs, likeliest first, when asked.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from coordinator.api_keys import ApiKeys, api_key_middleware
 from coordinator.chat_prompt import render_chat_prompt
 from coordinator.chat_reply import ChatReply
 from coordinator.chat_request import parse_chat_request
+from coordinator.logprobs import TokenLogprob, TokenText, chat_logprobs, completion_logprobs
 from coordinator.metrics import ClusterView, RequestCounters, cluster_json, render_prometheus
 from coordinator.openai_schema import (
     ApiError,
@@ -43,7 +44,6 @@ from coordinator.openai_schema import (
     parse_completion_request,
     text_completion,
     text_usage_chunk,
-    unsupported,
 )
 from coordinator.partial_text import split_at_partial_marker
 
@@ -162,7 +162,11 @@ class TextStream:
         self._stops = StopMatcher(stops)
         self._stop_tokens = request.stop_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the conversation cache spared
         self.finish_reason: str | None = None
+        # Every emitted token's logprob (when asked for), and how many were already taken.
+        self.logprobs: list[TokenLogprob] | None = [] if request.options.logprobs else None
+        self._logprobs_taken = 0
 
     async def next_text(self) -> str | None:
         while self.finish_reason is None:
@@ -171,6 +175,14 @@ class TextStream:
             if text or self.finish_reason is not None:
                 return text
         return None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens absorbed since the last call (None: not asked for)."""
+        if self.logprobs is None:
+            return None
+        new = self.logprobs[self._logprobs_taken :]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     async def aclose(self) -> None:
         """Close the engine's stream: a request still running is cancelled on every node."""
@@ -197,9 +209,11 @@ class TextStream:
             text, _ = self._stops.feed(self._detokenizer.last_segment)
             return text + self._stops.flush()
         self.completion_tokens += len(chunk.tokens)
-        for token in chunk.tokens:
+        self.cached_tokens = chunk.cached_tokens
+        for i, token in enumerate(chunk.tokens):
             if token not in self._stop_tokens:  # an end-of-turn token is not text
                 self._detokenizer.add_token(token)
+                self._absorb_logprob(chunk, i)
         if chunk.finish_reason is not None:
             self._detokenizer.finalize()
         text, stopped = self._stops.feed(self._detokenizer.last_segment)
@@ -210,53 +224,95 @@ class TextStream:
             text += self._stops.flush()
         return text
 
+    def _absorb_logprob(self, chunk: GenerationChunk, i: int) -> None:
+        if self.logprobs is None:
+            return
+        if chunk.logprobs is None or len(chunk.logprobs) <= i:
+            raise ApiError(502, "the engine sent no logprobs", type="server_error")
+        top = chunk.top_logprobs[i] if chunk.top_logprobs else ()
+        self.logprobs.append(TokenLogprob(chunk.tokens[i], chunk.logprobs[i], top))
+
+
+_Logprobs = list[TokenLogprob] | None
+
 
 class _ChatFormat:
-    """The chat.completion(.chunk) objects of one response: reasoning, content, tool calls."""
+    """The chat.completion(.chunk) objects of one response: reasoning, content, tool calls.
 
-    def __init__(self, model: str, reply: ChatReply) -> None:
+    Streamed logprobs ride on the next chunk that goes out (text may be held back a while).
+    """
+
+    def __init__(self, model: str, reply: ChatReply, token_text: TokenText) -> None:
         self.ident = ResponseIdentity.new("chatcmpl", model)
         self.reply = reply
+        self._token_text = token_text
+        self._pending: list[TokenLogprob] = []
 
     def opening(self) -> list[dict[str, Any]]:
         return [chat_chunk(self.ident, {"role": "assistant", "content": ""})]
 
-    def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+    def pieces(
+        self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
+    ) -> list[dict[str, Any]]:
         deltas = self.reply.feed(text)
         if finish_reason is not None:
             deltas += self.reply.finish()
         out = [chat_chunk(self.ident, delta) for delta in deltas]
         if finish_reason is not None:
             out.append(chat_chunk(self.ident, {}, self.reply.finish_reason(finish_reason)))
+        if logprobs is not None:
+            self._pending += logprobs
+            if out and self._pending:
+                out[0]["choices"][0]["logprobs"] = chat_logprobs(self._pending, self._token_text)
+                self._pending = []
         return out
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return chat_usage_chunk(self.ident, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def whole(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: _Logprobs = None
+    ) -> dict[str, Any]:
         self.reply.feed(text)
         self.reply.finish()
         reason = self.reply.finish_reason(finish_reason)
-        return chat_completion(self.ident, self.reply.message(), reason, usage)
+        shaped = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
+        return chat_completion(self.ident, self.reply.message(), reason, usage, shaped)
 
 
 class _TextFormat:
     """The text_completion objects of one response."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, token_text: TokenText, alternatives: int) -> None:
         self.ident = ResponseIdentity.new("cmpl", model)
+        self._token_text = token_text
+        self._alternatives = alternatives
+        self._offset = 0  # of the next logprobs' text in the completion
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        return [text_completion(self.ident, text, finish_reason, None)]
+    def pieces(
+        self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
+    ) -> list[dict[str, Any]]:
+        return [text_completion(self.ident, text, finish_reason, None, self._shape(logprobs))]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return text_usage_chunk(self.ident, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return text_completion(self.ident, text, finish_reason, usage)
+    def whole(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: _Logprobs = None
+    ) -> dict[str, Any]:
+        return text_completion(self.ident, text, finish_reason, usage, self._shape(logprobs))
+
+    def _shape(self, logprobs: _Logprobs) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        shaped = completion_logprobs(
+            logprobs, self._token_text, offset=self._offset, alternatives=self._alternatives
+        )
+        self._offset += sum(len(token) for token in shaped["tokens"])
+        return shaped
 
 
 _Format = _ChatFormat | _TextFormat
@@ -283,6 +339,7 @@ class _Api:
         self._admission = admission
         self._counters = counters
         self._stop_tokens = stop_token_ids(tokenizer)
+        self._token_text = TokenText(tokenizer)
         self._created = int(time.time())
         self._mtp_depth = mtp_depth  # for requests that do not name theirs
 
@@ -294,7 +351,8 @@ class _Api:
             await request.read(), model_id=self._model_id, max_context=max_context
         )
         prompt = render_chat_prompt(self._tokenizer, chat)
-        fmt = _ChatFormat(chat.params.model, ChatReply(prompt, chat.offered_tools))
+        reply = ChatReply(prompt, chat.offered_tools)
+        fmt = _ChatFormat(chat.params.model, reply, self._token_text)
         return await self._generate(request, prompt.tokens, chat.params, fmt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -302,7 +360,8 @@ class _Api:
         completion = parse_completion_request(
             await request.read(), model_id=self._model_id, max_context=max_context
         )
-        fmt = _TextFormat(completion.params.model)
+        params = completion.params
+        fmt = _TextFormat(params.model, self._token_text, params.top_logprobs or 0)
         return await self._generate(request, self._text_prompt(completion), completion.params, fmt)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -373,8 +432,6 @@ class _Api:
         self, prompt: tuple[int, ...], params: CommonParams
     ) -> GenerationRequest:
         """Check the context budget here, before a slot is taken, and build the request."""
-        if params.top_logprobs is not None:
-            raise unsupported("logprobs are not supported by this server", "logprobs")
         max_context = self._engine.max_context
         room = max_context - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -388,7 +445,12 @@ class _Api:
                 code="context_length_exceeded",
             )
         depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
-        options = RequestOptions(sampling=params.sampling, mtp_depth=depth)
+        options = RequestOptions(
+            sampling=params.sampling,
+            logprobs=params.top_logprobs is not None,
+            top_logprobs=params.top_logprobs or 0,
+            mtp_depth=depth,
+        )
         try:
             return GenerationRequest(prompt, max_tokens, options, self._stop_tokens)
         except RequestError as exc:
@@ -424,8 +486,8 @@ class _Api:
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
-        usage = Usage(prompt_tokens, stream.completion_tokens)
-        body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage)
+        usage = Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)
+        body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
     async def _send_events(
@@ -445,12 +507,13 @@ class _Api:
             for obj in fmt.opening():
                 await _send_event(response, obj)
             while text is not None:
-                for obj in fmt.pieces(text, stream.finish_reason):
+                for obj in fmt.pieces(text, stream.finish_reason, stream.take_logprobs()):
                     await _send_event(response, obj)
                 text = await stream.next_text()
             if params.include_usage:
                 await _send_event(
-                    response, fmt.usage(Usage(prompt_tokens, stream.completion_tokens))
+                    response,
+                    fmt.usage(Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)),
                 )
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:  # failed after the headers went out: say so in the stream

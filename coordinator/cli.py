@@ -53,6 +53,19 @@ NODE_START_TIMEOUT_S = 60.0
     help="Cluster certificate (PEM) when the nodes serve TLS.",
 )
 @click.option(
+    "--tls-key",
+    envvar="CLUSTER_TLS_KEY",
+    type=click.Path(exists=True),
+    default=None,
+    help="The certificate's key: with TLS, needed to serve weights to nodes.",
+)
+@click.option(
+    "--weights-port",
+    type=int,
+    default=0,
+    help="Port of the weights service that nodes fetch from [default: any free port].",
+)
+@click.option(
     "--api-key",
     envvar=API_KEY_ENV,
     default=None,
@@ -75,6 +88,11 @@ NODE_START_TIMEOUT_S = 60.0
     is_flag=True,
     help="With API keys: leave /metrics, /health and the dashboard's data open.",
 )
+@click.option(
+    "--no-prefix-cache",
+    is_flag=True,
+    help="Do not keep conversation (prefix) snapshots on the nodes.",
+)
 def coordinator_command(
     nodes: str,
     model_dir: Path | None,
@@ -87,10 +105,13 @@ def coordinator_command(
     max_running: int,
     max_queued: int,
     tls_cert: str | None,
+    tls_key: str | None,
+    weights_port: int,
     api_key: str | None,
     api_key_file: Path | None,
     mtp_depth: str,
     open_monitoring: bool,
+    no_prefix_cache: bool,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
     static = [n for n in nodes.split(",") if n]
@@ -111,9 +132,11 @@ def coordinator_command(
                 use_all=all_nodes,
                 max_running=max_running,
                 max_queued=max_queued,
-                tls=TLSConfig.from_files(tls_cert),
+                tls=TLSConfig.from_files(tls_cert, tls_key),
+                weights_port=weights_port,
                 api_keys=keys,
                 mtp_depth=_mtp_depth(mtp_depth),
+                prefix_cache=not no_prefix_cache,
             )
         )
     except KeyboardInterrupt:
@@ -232,7 +255,9 @@ def status_command(url: str, api_key: str | None) -> None:
         memory = (
             f"{node['memory_used_bytes'] / 2**30:.1f}/{node['memory_total_bytes'] / 2**30:.1f} GiB"
         )
+        fetching = node.get("weights_fraction")
         click.echo(
             f"{node['node_id']:<22} {node['address']:<22} {layers:<10} {role:<10} "
             f"{'up' if node['up'] else 'DOWN':<6} {memory:>18} {node['step_latency_ms']:>8.2f}"
+            + (f"  fetching weights {fetching:.0%}" if fetching is not None else "")
         )

@@ -43,6 +43,11 @@ class ClusterStats:
     requests_total: int
     errors_total: int
     model_id: str
+    # The conversation (prefix) cache: requests that started from a snapshot, the prompt
+    # tokens they did not prefill, and the prefixes every node holds now.
+    prefix_cache_hits: int = 0
+    prefix_cache_saved_tokens: int = 0
+    prefix_cache_entries: int = 0
 
 
 class ClusterView(Protocol):
@@ -115,6 +120,9 @@ def render_prometheus(
         "cluster_requests_rejected": counters.rejected_total,
         "cluster_prompt_tokens": counters.prompt_tokens_total,
         "cluster_completion_tokens": counters.completion_tokens_total,
+        "cluster_prefix_cache_hits": stats.prefix_cache_hits,
+        "cluster_prefix_cache_saved_tokens": stats.prefix_cache_saved_tokens,
+        "cluster_prefix_cache_entries": stats.prefix_cache_entries,
     }
     for name, (kind, help_text) in _CLUSTER_METRICS.items():
         out.family(name, kind, help_text, [({}, cluster_values[name])])
@@ -149,6 +157,12 @@ _CLUSTER_METRICS: dict[str, tuple[str, str]] = {
     "cluster_requests_rejected": ("counter", "Requests refused as invalid or over capacity."),
     "cluster_prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
     "cluster_completion_tokens": ("counter", "Tokens generated for clients."),
+    "cluster_prefix_cache_hits": ("counter", "Requests started from a cached prefix."),
+    "cluster_prefix_cache_saved_tokens": (
+        "counter",
+        "Prompt tokens not prefilled thanks to the prefix cache.",
+    ),
+    "cluster_prefix_cache_entries": ("gauge", "Prefixes cached on every node."),
 }
 
 

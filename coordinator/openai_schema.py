@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.messages import MAX_MTP_DEPTH, MtpDepth, RequestError, SamplingParams
+from cluster.messages import MAX_MTP_DEPTH, MAX_TOP_LOGPROBS, MtpDepth, RequestError, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one costs a scan of the held-back text
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions get the same here
 # The fields both endpoints read; each endpoint adds its own (see `check_fields`).
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
@@ -289,12 +288,14 @@ def unsupported(message: str, param: str) -> ApiError:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the conversation cache
 
-    def body(self) -> dict[str, int]:
+    def body(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

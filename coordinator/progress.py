@@ -39,7 +39,7 @@ class ProgressBars:
     def __init__(self, out: TextIO | None = None):
         self.out = out or sys.stderr
         self._drawn = 0
-        self._quarters: dict[str, int] = {}
+        self._quarters: dict[tuple[str, float], int] = {}  # by transfer: (node, its start)
 
     def draw(self, transfers: list[Transfer], now: float) -> None:
         active = [t for t in transfers if t.total_bytes and not self._finished(t)]
@@ -49,7 +49,7 @@ class ProgressBars:
             self._log(active, now)
 
     def _finished(self, transfer: Transfer) -> bool:
-        return self._quarters.get(transfer.node_id) == -1
+        return self._quarters.get(_key(transfer)) == -1
 
     def _redraw(self, active: list[Transfer], now: float) -> None:
         if not active:
@@ -59,14 +59,18 @@ class ProgressBars:
         for transfer in active:
             self.out.write("\x1b[2K" + bar_line(transfer, now) + "\n")
             if transfer.done:
-                self._quarters[transfer.node_id] = -1
+                self._quarters[_key(transfer)] = -1
         self._drawn = 0 if all(t.done for t in active) else len(active)
         self.out.flush()
 
     def _log(self, active: list[Transfer], now: float) -> None:
         for transfer in active:
             quarter = -1 if transfer.done else int(transfer.fraction * 4)
-            if quarter != self._quarters.get(transfer.node_id):
-                self._quarters[transfer.node_id] = quarter
+            if quarter != self._quarters.get(_key(transfer)):
+                self._quarters[_key(transfer)] = quarter
                 self.out.write(bar_line(transfer, now) + "\n")
         self.out.flush()
+
+
+def _key(transfer: Transfer) -> tuple[str, float]:
+    return transfer.node_id, transfer.started

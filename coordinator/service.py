@@ -19,6 +19,7 @@ from aiohttp import web
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
+from cluster.decode.prefix_index import PrefixIndex
 from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
@@ -91,8 +92,10 @@ class Coordinator:
         tls: TLSConfig | None = None,
         serve_weights: bool = True,
         weights_port: int = 0,
+        prefix_cache: bool = True,
     ):
         self.model_dir = model_dir
+        self.prefix_cache = prefix_cache
         self.tls = tls
         self.directory = directory
         self.token = token
@@ -182,7 +185,8 @@ class Coordinator:
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         if self.engine is None:
-            self.engine = MeteredEngine(GenerationEngine(pipeline))
+            index = PrefixIndex() if self.prefix_cache else None
+            self.engine = MeteredEngine(GenerationEngine(pipeline, prefix_index=index))
         else:
             self.engine.engine.pipeline = pipeline
         if old is not None:
@@ -262,6 +266,7 @@ class Coordinator:
     def stats(self) -> ClusterStats:
         engine = self.engine
         drafted = engine.drafted if engine else 0
+        index = engine.engine.prefix_index if engine else None
         return ClusterStats(
             tokens_per_s=engine.tokens_per_s() if engine else 0.0,
             acceptance_rate=(engine.accepted / drafted) if drafted else 0.0,
@@ -269,6 +274,9 @@ class Coordinator:
             requests_total=self.counters.requests_total,
             errors_total=self.counters.errors_total,
             model_id=self.model_dir.name,
+            prefix_cache_hits=index.stats.hits if index else 0,
+            prefix_cache_saved_tokens=index.stats.cached_tokens if index else 0,
+            prefix_cache_entries=len(index) if index else 0,
         )
 
 
@@ -289,6 +297,8 @@ async def run_coordinator(
     tls: TLSConfig | None = None,
     api_keys: ApiKeys | None = None,
     mtp_depth: MtpDepth = 1,
+    weights_port: int = 0,
+    prefix_cache: bool = True,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     api_keys = api_keys or ApiKeys()
@@ -303,6 +313,8 @@ async def run_coordinator(
         use_all=use_all,
         concurrency=max_running,
         tls=tls,
+        weights_port=weights_port,
+        prefix_cache=prefix_cache,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()

@@ -28,6 +28,12 @@ class WeightsHost:
 
     async def start(self) -> None:
         """Hash the model (once; cached beside it) and listen on every interface."""
+        if self.tls is not None and self.tls.key is None:
+            log.warning(
+                "TLS without the certificate's key (--tls-key): no weights service; every "
+                "node needs the model at its own path"
+            )
+            return
         self.service = await asyncio.to_thread(WeightsService, self.model_dir, self.token)
         self._server, self.port = serve_weights(self.service, "0.0.0.0", self.port, self.tls)
         log.info(

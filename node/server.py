@@ -77,8 +77,10 @@ class NodeService(pb_grpc.NodeServicer):
         idle_timeout_s: float = 600.0,
         tls: TLSConfig | None = None,
         weights_store: WeightsStore | None = None,
+        prefix_budget_bytes: int | None = None,
     ):
         self.token = token
+        self.prefix_budget_bytes = prefix_budget_bytes
         self.tls = tls  # also used to dial the next node
         self.node_id = node_id
         self.cache_budget_bytes = cache_budget_bytes
@@ -130,7 +132,14 @@ class NodeService(pb_grpc.NodeServicer):
                 if request.HasField("cache_budget_bytes")
                 else self.cache_budget_bytes
             )
-            runner = ShardRunner(shard, cache_budget_bytes=budget)
+            prefix_budget = (
+                request.prefix_budget_bytes
+                if request.HasField("prefix_budget_bytes")
+                else self.prefix_budget_bytes
+            )
+            runner = ShardRunner(
+                shard, cache_budget_bytes=budget, prefix_budget_bytes=prefix_budget
+            )
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
             self.stage = Stage(
                 runner,
@@ -180,12 +189,28 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseReply:
         stage = await self._require_stage(context)
-        released = await self.worker.run(stage.runner.release, request.request_id)
-        if not released:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"unknown request id {request.request_id!r}"
+        runner, rid = stage.runner, request.request_id
+        held = rid in runner.requests
+        saved = False
+        if held and request.prefix_save:
+            saved, dropped = await self.worker.run(
+                runner.release_as_prefix, rid, request.prefix_save, request.prefix_positions
             )
-        return pb.ReleaseReply(released=released)
+            if dropped:
+                self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped))
+        else:
+            held = await self.worker.run(runner.release, rid)
+        if not held:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request id {rid!r}")
+        return pb.ReleaseReply(released=held, prefix_saved=saved)
+
+    async def DropPrefixSnapshots(
+        self, request: pb.PrefixSnapshotDropRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefixSnapshotDropReply:
+        stage = await self._require_stage(context)
+        ids = list(request.snapshot_ids)
+        dropped = await self.worker.run(stage.runner.snapshots.drop, ids)
+        return pb.PrefixSnapshotDropReply(dropped=len(dropped))
 
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
@@ -236,6 +261,11 @@ class NodeService(pb_grpc.NodeServicer):
             info.active_requests = len(runner.requests)
             info.steps_total = stats.messages_in
             info.step_latency_ms = stats.mean_latency_ms
+            info.positions_computed = runner.positions_computed
+            info.prefix_snapshots = len(runner.snapshots)
+            info.prefix_snapshot_bytes = runner.snapshots.nbytes
+            info.prefix_budget_bytes = runner.snapshots.budget_bytes
+            info.prefix_resumes = runner.snapshots.resumes
         return info
 
     async def _sweep_idle(self) -> None:
@@ -259,6 +289,7 @@ async def serve(
     ready: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
     weights_store: WeightsStore | None = None,
+    prefix_budget_bytes: int | None = None,
 ) -> None:
     """Run a node until cancelled."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
@@ -269,6 +300,7 @@ async def serve(
         idle_timeout_s=idle_timeout_s,
         tls=tls,
         weights_store=weights_store,
+        prefix_budget_bytes=prefix_budget_bytes,
     )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
@@ -323,6 +355,12 @@ async def serve(
     help="Memory for request caches on this node (default: unlimited).",
 )
 @click.option(
+    "--prefix-cache-gb",
+    type=float,
+    default=None,
+    help="Memory for conversation (prefix) snapshots on this node [default: 1].",
+)
+@click.option(
     "--idle-timeout",
     type=float,
     default=600.0,
@@ -367,6 +405,7 @@ def node_command(
     token: str,
     node_id: str | None,
     cache_budget_gb: float | None,
+    prefix_cache_gb: float | None,
     idle_timeout: float,
     advertise: bool,
     tls_cert: str | None,
@@ -376,6 +415,9 @@ def node_command(
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
+    if prefix_cache_gb is not None and prefix_cache_gb < 0:
+        raise click.BadParameter("--prefix-cache-gb must be >= 0")
+    prefix_budget = int(prefix_cache_gb * 2**30) if prefix_cache_gb is not None else None
     if cache_cap_gb is not None and cache_cap_gb <= 0:
         raise click.BadParameter("--cache-cap-gb must be positive")
     store = WeightsStore(
@@ -397,6 +439,7 @@ def node_command(
                 advertise=advertise,
                 tls=tls,
                 weights_store=store,
+                prefix_budget_bytes=prefix_budget,
             )
         )
     except KeyboardInterrupt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import grpc
@@ -47,6 +48,9 @@ class ShardWeights:
         self.node_id = node_id
         self.tls = tls
         self.progress: FetchProgress | None = None
+        # A LoadShard cancelled mid-transfer (its caller gave up) leaves its thread fetching;
+        # the next one waits for it rather than fetching the same chunks beside it.
+        self._fetching = threading.Lock()
 
     async def model_dir(self, request: pb.LoadShardRequest, peer: str) -> Path:
         """The directory to load the shard from (after any transfer it takes)."""
@@ -61,10 +65,16 @@ class ShardWeights:
             f"{peer_host(peer)}:{request.weights_port}" if request.weights_port else None
         )
         spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
-        self.progress = FetchProgress()
+        progress = FetchProgress()
+
+        def fetch(**kwargs) -> Path:
+            with self._fetching:
+                self.progress = progress
+                return ensure_shard(**kwargs)
+
         try:
             return await asyncio.to_thread(
-                ensure_shard,
+                fetch,
                 digest=request.model_digest,
                 spec=spec,
                 store=self.store,
@@ -73,7 +83,7 @@ class ShardWeights:
                 node_id=self.node_id,
                 local_dir=given,
                 tls=self.tls,
-                progress=self.progress,
+                progress=progress,
             )
         except CacheFullError as error:
             raise ShardWeightsError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None

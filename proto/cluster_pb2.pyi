@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,11 @@ class NodeInfo(_message.Message):
     WEIGHTS_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_RESUMES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -74,10 +79,15 @@ class NodeInfo(_message.Message):
     weights_fetched_bytes: int
     weights_fetch_total_bytes: int
     weights_received_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ...) -> None: ...
+    positions_computed: int
+    prefix_snapshots: int
+    prefix_snapshot_bytes: int
+    prefix_budget_bytes: int
+    prefix_resumes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +100,7 @@ class LoadShardRequest(_message.Message):
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
     end: int
@@ -102,7 +113,8 @@ class LoadShardRequest(_message.Message):
     model_digest: str
     weights_port: int
     weights_address: str
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ...) -> None: ...
+    prefix_budget_bytes: int
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -119,21 +131,23 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RequestOptions(_message.Message):
-    __slots__ = ("sampling", "mtp", "logprobs", "mtp_depth", "mtp_depth_auto")
+    __slots__ = ("sampling", "mtp", "logprobs", "top_logprobs", "mtp_depth", "mtp_depth_auto")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MTP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MTP_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MTP_DEPTH_AUTO_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
     mtp: bool
     logprobs: bool
+    top_logprobs: int
     mtp_depth: int
     mtp_depth_auto: bool
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options")
+    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "prefix_from", "prefix_save")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +155,8 @@ class StepEntry(_message.Message):
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     position: int
@@ -148,7 +164,9 @@ class StepEntry(_message.Message):
     rollback: int
     sample: bool
     options: RequestOptions
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ...) -> None: ...
+    prefix_from: int
+    prefix_save: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("entries", "hidden", "sequence")
@@ -171,7 +189,7 @@ class ResultsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ResultEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "keep", "drafts", "drafted", "accepted", "logprobs", "has_logprobs")
+    __slots__ = ("request_id", "tokens", "keep", "drafts", "drafted", "accepted", "logprobs", "has_logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +198,7 @@ class ResultEntry(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     keep: int
@@ -188,7 +207,16 @@ class ResultEntry(_message.Message):
     accepted: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     has_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., keep: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., keep: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("tokens", "logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("request_id", "code", "message")
@@ -201,24 +229,44 @@ class StepError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
-    __slots__ = ("results", "errors")
+    __slots__ = ("results", "errors", "prefix_dropped")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DROPPED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ResultEntry]
     errors: _containers.RepeatedCompositeFieldContainer[StepError]
-    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ...) -> None: ...
+    prefix_dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ..., prefix_dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "prefix_save", "prefix_positions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    prefix_save: int
+    prefix_positions: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix_save: _Optional[int] = ..., prefix_positions: _Optional[int] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "prefix_saved")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SAVED_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    prefix_saved: bool
+    def __init__(self, released: _Optional[bool] = ..., prefix_saved: _Optional[bool] = ...) -> None: ...
+
+class PrefixSnapshotDropRequest(_message.Message):
+    __slots__ = ("snapshot_ids",)
+    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixSnapshotDropReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("request_id", "drop")

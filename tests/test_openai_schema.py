@@ -243,6 +243,23 @@ def test_completion_prompts():
     assert prompt([[4, 5]]) == (4, 5)
 
 
+def test_logprobs_requests():
+    def chat(**fields: Any) -> int | None:
+        return parse_chat_request(
+            _chat(**fields), model_id=MODEL, max_context=CONTEXT
+        ).params.top_logprobs
+
+    def completion(**fields: Any) -> int | None:
+        raw = _completion(**fields)
+        return parse_completion_request(
+            raw, model_id=MODEL, max_context=CONTEXT
+        ).params.top_logprobs
+
+    assert (chat(), chat(logprobs=False), chat(logprobs=True)) == (None, None, 0)
+    assert chat(logprobs=True, top_logprobs=20) == 20
+    assert (completion(), completion(logprobs=0), completion(logprobs=5)) == (None, 0, 5)
+
+
 def test_stop_strings_are_deduplicated_in_order():
     stop = parse_chat_request(_chat(stop=["b", "a", "b"]), model_id=MODEL, max_context=CONTEXT)
     assert stop.params.stop == ("b", "a")
@@ -254,7 +271,12 @@ def test_response_objects():
     assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert whole["choices"][0]["finish_reason"] == "stop"
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     chunk = chat_chunk(ident, {"content": "h"})
     assert chunk["object"] == "chat.completion.chunk"
     assert (chunk["id"], chunk["created"], chunk["model"]) == (ident.id, ident.created, MODEL)

@@ -37,6 +37,7 @@ def test_generated_modules_import_from_the_package():
         "Results": (False, True),
         "Release": (False, False),
         "Rollback": (False, False),
+        "DropPrefixSnapshots": (False, False),
     }
 
 

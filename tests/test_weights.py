@@ -9,8 +9,13 @@ model; the nodes are real `cluster node` processes, each with its own cache dire
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import io
 import json
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +37,17 @@ from cluster.weights.listing import models_command
 from cluster.weights.manifest import build_manifest, manifest_for, read_safetensors_header
 from cluster.weights.service import (
     FETCH_METHOD,
+    Transfers,
     WeightsService,
     decode_chunk,
     encode_chunk,
     serve_weights,
 )
 from cluster.weights.store import WeightsStore
+from coordinator.cli import status_command
+from coordinator.discovery import NodeDirectory
+from coordinator.progress import ProgressBars, transfer_fraction
+from coordinator.service import Coordinator
 from node.auth import token_metadata
 from node.client import NodeClient, NodeUnavailable, load_pipeline
 from proto import cluster_pb2 as pb
@@ -377,7 +387,111 @@ def test_the_chunk_codec_is_protobufs():
         assert bytes(decode_chunk(raw)) == data
 
 
-def test_progress_reaches_the_bars(source):
-    transfers = {t.node_id: t for t in source.service.transfers.snapshot()}
-    assert transfers, "the transfers above were recorded"
-    assert all(t.done and t.sent_bytes > 0 for t in transfers.values())
+# ---- through the coordinator: placement, a node's death, progress ----
+
+
+def test_after_a_node_dies_the_survivor_fetches_what_it_now_needs(
+    node_factory, model_dir, source, tmp_path, requests, reference
+):
+    caches = [tmp_path / "a", tmp_path / "b"]
+    pair = node_factory(2, args=lambda i: ["--cache-dir", str(caches[i])])
+    bars = io.StringIO()
+
+    async def go():
+        coordinator = Coordinator(
+            source.model_dir,
+            NodeDirectory(pair.addresses, browse=False),
+            token=nodes.TOKEN,
+            use_all=True,
+            node_model_dir=MISSING_DIR,
+        )
+        progress = asyncio.create_task(asyncio.sleep(0))
+        try:
+            await coordinator.start(wait_for_nodes_s=20)
+            progress = asyncio.create_task(coordinator.weights.show_progress(ProgressBars(bars)))
+            head_end = coordinator.plan.stages[0].end
+            assert len(coordinator.plan.stages) == 2
+            engine = coordinator.engine.engine
+            first = [(await engine.generate(r)).tokens for r in requests]
+            pair[1].kill()
+            deadline = time.monotonic() + 30
+            while coordinator.plan.stages[0].end != NUM_LAYERS or coordinator.pipeline.failure:
+                assert time.monotonic() < deadline, "the model was not re-placed"
+                await asyncio.sleep(0.2)
+            second = [(await engine.generate(r)).tokens for r in requests]
+            await asyncio.sleep(0.6)  # one more frame of the bars
+            return first, second, head_end
+        finally:
+            progress.cancel()
+            await coordinator.close()
+
+    first, second, head_end = run(go())
+    assert first == second == reference
+    info = run(node_infos([pair[0].address]))[0]
+    head = ShardSpec(0, head_end, True, False)
+    whole = shard_bytes(source.model_dir, WHOLE)
+    # Only the layers it lacked (the embedding it had is not fetched again).
+    assert info.weights_fetch_total_bytes == whole - shard_bytes(source.model_dir, head)
+    assert "done" in bars.getvalue()
+
+
+def test_the_node_reports_its_fetch_as_a_fraction():
+    info = pb.NodeInfo(weights_fetched_bytes=25, weights_fetch_total_bytes=100)
+    assert transfer_fraction(info) == 0.25
+    done = pb.NodeInfo(weights_fetched_bytes=9, weights_fetch_total_bytes=9)
+    assert transfer_fraction(done) is None
+    assert transfer_fraction(pb.NodeInfo()) is None
+
+
+def test_the_bars_show_each_transfer_to_a_node_to_its_end():
+    transfers = Transfers()
+    log, tty = io.StringIO(), _Terminal()
+    bars = [ProgressBars(log), ProgressBars(tty)]
+    for total in (100, 60):  # a load, then a re-placement's
+        transfer = transfers.open("mac-1", total)
+        for sent in (total // 2, total - total // 2):
+            transfers.sent(transfer, sent)
+            for bar in bars:
+                bar.draw(transfers.snapshot(), time.monotonic())
+        transfers.close(transfer)
+        for bar in bars:
+            bar.draw(transfers.snapshot(), time.monotonic())
+        transfer.updated -= 2  # as if a while ago: the next open is a new transfer
+    lines = log.getvalue().splitlines()
+    assert [line.split()[-1] for line in lines if "done" in line] == ["done", "done"]
+    assert " 50%" in lines[0] and "100.0/100.0 MiB" not in lines[0]
+    assert tty.getvalue().count("done") == 2 and "\x1b[" in tty.getvalue()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cluster_status_shows_a_node_fetching_its_weights():
+    node = {
+        "node_id": "mac-2", "address": "10.0.0.2:50151", "start": 4, "end": 8, "is_head": False,
+        "is_tail": True, "up": True, "memory_used_bytes": 2**30, "memory_total_bytes": 2**34,
+        "step_latency_ms": 0.0, "weights_fraction": 0.42,
+    }  # fmt: skip
+    body = json.dumps({"stats": {}, "nodes": [node, {**node, "weights_fraction": None}]})
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = CliRunner().invoke(status_command, ["--url", url])
+    finally:
+        server.shutdown()
+    assert out.exit_code == 0, out.output
+    rows = out.output.splitlines()[2:]
+    assert rows[0].endswith("fetching weights 42%") and "fetching" not in rows[1]

@@ -116,6 +116,7 @@ def test_options_round_trip():
         RequestOptions(),
         RequestOptions(SamplingParams(temperature=0.0), mtp=False, logprobs=True),
         RequestOptions(SamplingParams(temperature=1.3, top_k=50, seed=7), mtp=True),
+        RequestOptions(logprobs=True, top_logprobs=20),
     ]:
         assert wire.options_from_proto(_over_the_wire(wire.options_to_proto(o))) == o
 
@@ -232,6 +233,13 @@ def _results() -> list[StepResult]:
         StepResult("r-deep", (21, 22, 23), keep=3, drafts=(5, 0, 7), drafted=3, accepted=2),
         StepResult("r-logprobs", (31, 32), keep=2, drafts=(33,), logprobs=(-0.5, -1.25)),
         StepResult("r-asked-none", (), keep=4, logprobs=()),
+        StepResult(
+            "r-top",
+            (41, 42),
+            keep=2,
+            logprobs=(-0.5, -0.25),
+            top_logprobs=(((41, -0.5), (7, -1.5)), ((42, -0.25), (0, -2.0))),
+        ),
     ]
 
 
@@ -267,6 +275,13 @@ def test_logprobs_are_float32_on_the_wire():
     result = StepResult("r", (1,), 1, logprobs=(-0.1,))
     (got,), _ = wire.results_from_proto(_over_the_wire(wire.results_to_proto([result], [])))
     assert got.logprobs == pytest.approx((-0.1,), rel=1e-7)
+
+
+def test_top_logprobs_need_logprobs_and_at_most_20():
+    with pytest.raises(RequestError, match="needs logprobs"):
+        RequestOptions(top_logprobs=2)
+    with pytest.raises(RequestError, match="top_logprobs"):
+        wire.options_from_proto(pb.RequestOptions(logprobs=True, top_logprobs=21))
 
 
 def test_absent_result_fields_take_the_defaults():

@@ -10,9 +10,10 @@ as `cluster coordinator` serves it. Each round, in shuffled order, measures on t
               and not verified (what gRPC alone costs on this machine)
   fetch xN    the product path: `ShardFetcher.fetch_shard` of the whole model into an empty
               cache, N parallel streams, every chunk SHA-256 verified before it is written
-and the serving process's peak RSS growth over the whole run (VmHWM), against the chunk size:
-the service holds about one chunk per stream, never a file. All in the page cache (warm), as
-the copy is; medians over --rounds.
+and the serving process's peak RSS growth during each transfer (VmHWM, reset before each),
+against the chunk size: the service holds a few chunks per stream, never a file. All in the
+page cache (warm), as the copy is; medians over --rounds. `--dir /dev/shm` puts the model and
+the copies on tmpfs (no disk writeback in any figure).
 """
 
 from __future__ import annotations
@@ -86,11 +87,11 @@ def make_model(dest: Path, hidden: int, vocab: int) -> int:
 
 def _bare_handler(model_file: Path) -> grpc.GenericRpcHandler:
     def stream(request: bytes, context):
+        offset, end = map(int, request.split(b","))
         fd = os.open(model_file, os.O_RDONLY)
         try:
-            size, offset = os.fstat(fd).st_size, 0
-            while offset < size:
-                data = os.pread(fd, CHUNK_BYTES, offset)
+            while offset < end:
+                data = os.pread(fd, min(CHUNK_BYTES, end - offset), offset)
                 offset += len(data)
                 yield data
         finally:
@@ -111,13 +112,20 @@ def serve(model_dir: Path) -> None:
     bare.add_generic_rpc_handlers((_bare_handler(model_dir / "model.safetensors"),))
     bare_port = bare.add_insecure_port("127.0.0.1:0")
     bare.start()
-    print(json.dumps({"port": port, "bare_port": bare_port, "rss_kb": _status_kb("VmRSS")}))
-    sys.stdout.flush()
-    sys.stdin.read()  # until the parent closes it
-    print(json.dumps({"peak_kb": _status_kb("VmHWM"), "rss_kb": _status_kb("VmRSS")}))
-    sys.stdout.flush()
+    print(json.dumps({"port": port, "bare_port": bare_port}), flush=True)
+    for line in sys.stdin:  # until the parent closes it
+        if line.strip() == "reset":  # start a new peak (Linux: 5 clears VmHWM)
+            Path("/proc/self/clear_refs").write_text("5")
+        cpu = os.times()
+        memory = {"peak_kb": _status_kb("VmHWM"), "rss_kb": _status_kb("VmRSS")}
+        print(json.dumps({**memory, "cpu_s": cpu.user + cpu.system}), flush=True)
     server.stop(None)
     bare.stop(None)
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def _status_kb(field: str) -> int:
@@ -134,16 +142,26 @@ def run_copy(model_dir: Path, out: Path) -> None:
     shutil.copyfile(model_dir / "model.safetensors", out / "copy.safetensors")
 
 
-def run_bare(port: int, out: Path) -> None:
+def run_bare(port: int, size: int, out: Path, streams: int) -> None:
+    """Each stream a byte range of the file, over its own connection, written as it comes."""
     from cluster.weights.service import weights_grpc_options
 
+    options = [*weights_grpc_options(), ("grpc.use_local_subchannel_pool", 1)]
     fd = os.open(out / "bare.safetensors", os.O_WRONLY | os.O_CREAT, 0o644)
-    offset = 0
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=weights_grpc_options()) as channel:
-        call = channel.unary_stream(BARE_METHOD, lambda b: b, lambda b: b)
-        for data in call(b""):
-            offset += os.pwrite(fd, data, offset)
-    os.close(fd)
+    part = -(-size // streams)
+
+    def one(i: int) -> None:
+        offset, end = i * part, min(size, (i + 1) * part)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            call = channel.unary_stream(BARE_METHOD, lambda b: b, lambda b: b)
+            for data in call(f"{offset},{end}".encode()):
+                offset += os.pwrite(fd, data, offset)
+
+    try:
+        with ThreadPoolExecutor(streams) as pool:
+            list(pool.map(one, range(streams)))
+    finally:
+        os.close(fd)
 
 
 def run_fetch(port: int, digest: str, out: Path, streams: int) -> int:
@@ -167,12 +185,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument(
+        "--dir", default=None, help="Where the model and the copies go [default: the temp dir]."
+    )
     parser.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
         return
-    with tempfile.TemporaryDirectory(prefix="weights-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="weights-bench-", dir=args.dir) as tmp:
         report = measure(Path(tmp), args)
     write_json(args.json, report)
 
@@ -193,15 +214,27 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
     )
     try:
         hello = json.loads(server.stdout.readline())
+        size = (model_dir / "model.safetensors").stat().st_size
         variants = {
             "copy": lambda out: run_copy(model_dir, out),
-            "bare grpc": lambda out: run_bare(hello["bare_port"], out),
+            **{
+                f"bare grpc x{n}": (lambda out, n=n: run_bare(hello["bare_port"], size, out, n))
+                for n in (1, 2)
+            },
             **{
                 f"fetch x{n}": (lambda out, n=n: run_fetch(hello["port"], digest, out, n))
-                for n in (1, 4)
+                for n in (1, 2, 4)
             },
         }
         seconds: dict[str, list[float]] = {name: [] for name in variants}
+        peaks: dict[str, list[int]] = {name: [] for name in variants}
+        cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}  # s/MiB
+
+        def ask(command: str) -> dict:
+            server.stdin.write(command + "\n")
+            server.stdin.flush()
+            return json.loads(server.stdout.readline())
+
         order = list(variants)
         rng = random.Random(0)
         for _ in range(args.rounds):
@@ -209,32 +242,49 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
             for name in order:
                 out = tmp / "out"
                 out.mkdir()
+                before = ask("reset")
+                mine = _cpu_s()
                 started = time.perf_counter()
                 variants[name](out)
                 seconds[name].append(time.perf_counter() - started)
+                mine = _cpu_s() - mine
+                after = ask("peak")
+                peaks[name].append((after["peak_kb"] - before["rss_kb"]) * 1024)
+                mib = total / 2**20
+                cpu[name].append(((after["cpu_s"] - before["cpu_s"]) / mib, mine / mib))
                 shutil.rmtree(out)
         server.stdin.close()
-        bye = json.loads(server.stdout.readline())
     finally:
         server.wait(timeout=30)
-    peak_growth = (bye["peak_kb"] - hello["rss_kb"]) * 1024
     rates = {name: total / median(s) / 2**20 for name, s in seconds.items()}
     report = {
         "machine": machine(),
+        "dir": str(tmp),
         "model_bytes": total,
         "chunk_bytes": CHUNK_BYTES,
         "manifest_hash_s": hash_s,
         "seconds": seconds,
         "mib_per_s": rates,
         "vs_copy": {name: rate / rates["copy"] for name, rate in rates.items()},
-        "service_peak_rss_growth_bytes": peak_growth,
+        "server_peak_rss_growth_bytes": {name: max(p) for name, p in peaks.items()},
+        "cpu_ms_per_mib": {
+            name: {
+                "server": 1000 * median(s for s, _ in v),
+                "client": 1000 * median(c for _, c in v),
+            }
+            for name, v in cpu.items()
+        },
     }
     print(f"model {total / 2**20:.0f} MiB, chunk {CHUNK_BYTES / 2**20:.0f} MiB, "
           f"manifest hashed in {hash_s:.2f} s")  # fmt: skip
+    print(f"{'':<14} {'MiB/s':>8} {'vs copy':>8} {'CPU ms/MiB server, client':>26} "
+          f"{'server peak RSS growth':>24}")  # fmt: skip
     for name in variants:
-        print(f"{name:<12} {rates[name]:8.0f} MiB/s  {report['vs_copy'][name]:5.2f}x copy")
-    print(f"service peak RSS growth over the run: {peak_growth / 2**20:.1f} MiB "
-          f"({peak_growth / CHUNK_BYTES:.1f} chunks)")  # fmt: skip
+        peak = max(peaks[name])
+        c = report["cpu_ms_per_mib"][name]
+        print(f"{name:<14} {rates[name]:8.0f} {report['vs_copy'][name]:7.2f}x "
+              f"{c['server']:15.2f} {c['client']:10.2f} "
+              f"{peak / 2**20:12.1f} MiB = {peak / CHUNK_BYTES:4.1f} chunks")  # fmt: skip
     return report
 
 

@@ -64,6 +64,10 @@ class TailRequest:
     draft_logprobs: mx.array | None = None  # [k, vocab]: the distributions `drafts` came from
     speculative: int = 0  # MTP cache entries that chained drafts wrote (never confirmed)
     depth: DepthPolicy | None = None
+    # The MTP inputs of the last sampled step from its last confirmed position on (where its
+    # kept positions may end), from position `recent_start`: a prefix snapshot's pending pair.
+    recent_inputs: mx.array | None = None
+    recent_start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +89,7 @@ class _Job:
     offset: int  # of the step's first position in the packed batch
     candidates: Candidates | None = None  # None: an intermediate prefill chunk
     logprobs: mx.array | None = None  # the model's own, at the rows where tokens are due
+    top: tuple[mx.array, mx.array] | None = None  # the likeliest tokens per row, their logprobs
     mtp_tokens: mx.array | None = None  # the tokens paired with `mtp_hidden`
     mtp_hidden: mx.array | None = None  # [1, pairs, hidden]
     draft: tuple[mx.array, mx.array] | None = None  # the next draft and its distribution
@@ -94,10 +99,12 @@ class _Job:
     keep: int = 0
     accepted: int = 0
     emitted_logprobs: tuple[float, ...] | None = None
+    emitted_top: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
         out += [self.logprobs] if self.logprobs is not None else []
+        out += list(self.top or ())
         return out + list(self.draft or ())
 
 
@@ -184,6 +191,7 @@ class Tail:
             job.candidates = propose(target, drafts, q, params, job.state.rng)
             if job.state.options.logprobs:
                 job.logprobs = log_probs(logits[row : row + n], _PLAIN)
+                job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
             row += n
 
     def _pair(self, job: _Job, mtp_input: mx.array) -> None:
@@ -191,6 +199,9 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
         hidden = mtp_input[:, job.offset : job.offset + n]
+        if c is not None:
+            state.recent_inputs = hidden[:, step.n_confirmed - 1 :]
+            state.recent_start = step.position + step.n_confirmed - 1
         if c is None:  # an intermediate prefill chunk: the last position waits for its token
             tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]
@@ -262,6 +273,11 @@ class Tail:
             job.emitted_logprobs = tuple(
                 job.logprobs[j, t].item() for j, t in enumerate(job.emitted)
             )
+        if job.top is not None:
+            tokens, values = (a[: len(job.emitted)].tolist() for a in job.top)
+            job.emitted_top = tuple(
+                tuple(zip(t, v, strict=True)) for t, v in zip(tokens, values, strict=True)
+            )
 
     def _chain(self, jobs: list[_Job]) -> None:
         """Draft on from each first draft, the MTP head on its own output, all requests of the
@@ -302,5 +318,18 @@ class Tail:
             return StepResult(step.request_id, (), job.keep)
         return StepResult(
             step.request_id, job.emitted, job.keep, job.state.drafts,
-            step.draft_len, job.accepted, job.emitted_logprobs,
+            step.draft_len, job.accepted, job.emitted_logprobs, job.emitted_top,
         )  # fmt: skip
+
+
+def _likeliest(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array] | None:
+    """The k likeliest tokens of each row, likeliest first, and their logprobs (lazily)."""
+    if k == 0:
+        return None
+    k = min(k, logprobs.shape[-1])
+    # A partial sort over the vocabulary, then a full sort of the k only.
+    candidates = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, candidates, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    tokens = mx.take_along_axis(candidates, order, axis=-1)
+    return tokens, mx.take_along_axis(values, order, axis=-1)

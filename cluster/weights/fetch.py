@@ -3,10 +3,10 @@
 `ensure_shard` returns a model directory holding a verified copy of the shard's tensors: the
 directory the coordinator named when it is on this machine and is the same model (by content),
 or else the node's cache, after fetching what is missing there. Every chunk is hashed as it
-arrives (in the stream's own thread; hashlib and pwrite release the GIL, so the streams run in
-parallel) and written only if it matches the manifest; a chunk that does not is asked for again
-(a few rounds), and a shard is returned only when every one of its chunks is verified, so
-nothing unverified is ever loaded.
+arrives (in a pool beside the receiving thread; hashlib and pwrite release the GIL) and written
+only if it matches the manifest; a chunk that does not is asked for again (a few rounds), and a
+shard is returned only when every one of its chunks is verified, so nothing unverified is ever
+loaded.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,10 +37,15 @@ from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-STREAMS = 4  # parallel streams per transfer
+# Parallel streams per transfer: each takes about a core (receive, hash, write); on a 2-core
+# machine a second stream only competes with the coordinator's side (BENCHMARKS.md).
+STREAMS = max(1, min(4, (os.cpu_count() or 2) // 2))
+AHEAD = 2  # chunks per stream received but not yet verified and written
 ROUNDS = 3  # a chunk failing its hash this many times in a row fails the load
 MANIFEST_TIMEOUT_S = 60.0
-STALL_TIMEOUT_S = 3600.0  # a whole stream's deadline (very large shards over slow links)
+# A stream's deadline: generous for its bytes (a dead peer is caught sooner by keepalive).
+STREAM_DEADLINE_BASE_S = 600.0
+STREAM_DEADLINE_MIN_RATE = 2 * 2**20  # bytes/s
 CRASH_AFTER_ENV = "CLUSTER_TEST_WEIGHTS_CRASH_AFTER_BYTES"  # test hook: die mid-transfer
 
 
@@ -91,25 +97,27 @@ class ShardFetcher:
         self.node_id = node_id
         self.streams = streams
         self.progress = progress or FetchProgress()
-        if tls is None:
-            self.channel = grpc.insecure_channel(address, options=weights_grpc_options())
-        else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=tls.cert)
-            self.channel = grpc.secure_channel(address, credentials, weights_grpc_options())
-        self._manifest_call = self.channel.unary_unary(
+        # One connection per stream: each has its own transport, so the streams' receiving,
+        # hashing and writing spread over cores instead of queueing on one socket.
+        self.channels = [_open_channel(address, tls) for _ in range(max(1, streams))]
+        self._manifest_call = self.channels[0].unary_unary(
             MANIFEST_METHOD,
             request_serializer=pb.WeightsManifestRequest.SerializeToString,
             response_deserializer=pb.WeightsManifestReply.FromString,
         )
-        self._fetch_call = self.channel.unary_stream(
-            FETCH_METHOD,
-            request_serializer=pb.WeightsFetchRequest.SerializeToString,
-            response_deserializer=decode_chunk,
-        )
+        self._fetch_calls = [
+            channel.unary_stream(
+                FETCH_METHOD,
+                request_serializer=pb.WeightsFetchRequest.SerializeToString,
+                response_deserializer=decode_chunk,
+            )
+            for channel in self.channels
+        ]
         self._crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def manifest(self, digest: str) -> Manifest:
         try:
@@ -132,11 +140,8 @@ class ShardFetcher:
             if missing_files:
                 self._fetch_files(cached, spec, missing_files)
             tensors = sorted(shard_tensor_names(cached.path, spec))
-            for _ in range(ROUNDS):
-                missing = cached.missing_chunks(tensors)
-                if not missing:
-                    cached.touch()
-                    return cached.path
+            missing = cached.missing_chunks(tensors)  # a verified read of what is there
+            if missing:
                 need = sum(_chunk_len(manifest, ref) for ref in missing)
                 store.make_room(need, keep=manifest.digest)
                 self.progress.total_bytes = need
@@ -147,10 +152,15 @@ class ShardFetcher:
                     spec.describe(),
                     self.address,
                 )
-                self._fetch_chunks(cached, spec, missing, need)
+            for _ in range(ROUNDS):
+                if not missing:
+                    cached.touch()
+                    return cached.path
+                missing = self._fetch_chunks(cached, spec, missing)
             raise WeightsFetchError(
-                f"chunks of {spec.describe()} kept failing verification after {ROUNDS} rounds "
-                f"(the coordinator's copy differs from its manifest?)"
+                f"{len(missing)} chunk(s) of {spec.describe()} kept failing verification after "
+                f"{ROUNDS} tries (first: {missing[0][0]} #{missing[0][1]}); the coordinator's "
+                "copy differs from its manifest?"
             )
         finally:
             cached.close()
@@ -171,35 +181,63 @@ class ShardFetcher:
     def _fetch_files(self, cached: CachedModel, spec: ShardSpec, names: list[str]) -> None:
         request = self._request(cached.manifest.digest, spec, 0)
         request.files.extend(names)
-        for name, data in zip(names, self._stream(request), strict=True):
+        for name, data in zip(names, self._stream(0, request), strict=True):
             cached.write_small_file(name, data)
             self.progress.add(0, len(data.obj))
 
     def _fetch_chunks(
-        self, cached: CachedModel, spec: ShardSpec, missing: list[ChunkRef], total: int
-    ) -> None:
+        self, cached: CachedModel, spec: ShardSpec, missing: list[ChunkRef]
+    ) -> list[ChunkRef]:
+        """One round over `missing`; returns the chunks still missing (failed their hash).
+
+        Each stream's thread only receives; hashing and writing run in a pool (hashlib and
+        pwrite release the GIL), at most AHEAD chunks behind per stream, so receiving the next
+        chunk overlaps verifying the last one and memory stays a few chunks per stream."""
         parts = _split(missing, cached.manifest, self.streams)
+        failed: list[ChunkRef] = []
 
-        def run(part: list[ChunkRef]) -> None:
-            request = self._request(cached.manifest.digest, spec, total)
+        def verify_and_write(ref: ChunkRef, data: memoryview) -> None:
+            received = len(data.obj) if data.obj is not None else len(data)
+            if not cached.chunk_hash_ok(ref, data):
+                log.warning("chunk %s #%d failed its hash; it will be fetched again", *ref)
+                failed.append(ref)
+                self.progress.add(0, received)
+                return
+            cached.write_chunk(ref, data)
+            self.progress.add(len(data), received)
+            self._maybe_crash()
+
+        def run(stream: int, part: list[ChunkRef], workers: ThreadPoolExecutor) -> None:
+            request = self._request(cached.manifest.digest, spec, self.progress.total_bytes)
             request.chunks.extend(pb.WeightsChunkRef(tensor=t, chunk=i) for t, i in part)
-            for ref, data in zip(part, self._stream(request), strict=False):
-                received = len(data.obj) if data.obj is not None else len(data)
-                if not cached.chunk_hash_ok(ref, data):
-                    log.warning("chunk %s #%d failed its hash; it will be fetched again", *ref)
-                    self.progress.add(0, received)
-                    continue
-                cached.write_chunk(ref, data)
-                self.progress.add(len(data), received)
-                self._maybe_crash()
+            pending: deque[Future] = deque()
+            received = 0
+            try:
+                nbytes = sum(_chunk_len(cached.manifest, ref) for ref in part)
+                for ref, data in zip(part, self._stream(stream, request, nbytes), strict=False):
+                    pending.append(workers.submit(verify_and_write, ref, data))
+                    received += 1
+                    while len(pending) > AHEAD:
+                        pending.popleft().result()
+            finally:
+                for future in pending:
+                    future.result()
+            failed.extend(part[received:])  # a stream that ended early
 
-        with ThreadPoolExecutor(len(parts), thread_name_prefix="fetch") as pool:
-            for future in [pool.submit(run, part) for part in parts]:
+        with (
+            ThreadPoolExecutor(len(parts), thread_name_prefix="fetch") as streams,
+            ThreadPoolExecutor(len(parts) * AHEAD, thread_name_prefix="verify") as workers,
+        ):
+            futures = [streams.submit(run, i, part, workers) for i, part in enumerate(parts)]
+            for future in futures:
                 future.result()
+        return failed
 
-    def _stream(self, request: pb.WeightsFetchRequest):
+    def _stream(self, stream: int, request: pb.WeightsFetchRequest, nbytes: int = 0):
         try:
-            yield from self._fetch_call(request, timeout=STALL_TIMEOUT_S, metadata=self.metadata)
+            call = self._fetch_calls[stream]
+            timeout = STREAM_DEADLINE_BASE_S + nbytes / STREAM_DEADLINE_MIN_RATE
+            yield from call(request, timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as error:
             raise WeightsFetchError(
                 f"weights transfer from {self.address} failed: {error.details()}"
@@ -209,6 +247,14 @@ class ShardFetcher:
         if self._crash_after and self.progress.verified_bytes >= self._crash_after:
             log.error("test hook: dying mid-transfer after %d bytes", self.progress.verified_bytes)
             os._exit(137)
+
+
+def _open_channel(address: str, tls: TLSConfig | None) -> grpc.Channel:
+    options = [*weights_grpc_options(), ("grpc.use_local_subchannel_pool", 1)]
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.cert)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 def _chunk_len(manifest: Manifest, ref: ChunkRef) -> int:

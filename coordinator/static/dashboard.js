@@ -58,6 +58,9 @@ function nodeCard(node, index) {
     ["Step latency", el("dd", "mono", `${node.step_latency_ms.toFixed(1)} ms`)],
     ["Heartbeat", heartbeat],
   ];
+  if (node.weights_fraction !== null && node.weights_fraction !== undefined) {
+    rows.push(["Weights", el("dd", "mono", `fetching ${(node.weights_fraction * 100).toFixed(0)}%`)]);
+  }
   for (const [label, value] of rows) kv.append(el("dt", "", label), value);
 
   card.append(head, roles, kv, meter("Memory", node.memory_used_bytes, node.memory_total_bytes, stageColor(index)));
@@ -99,6 +102,8 @@ function drawStats(data) {
   $("stat-acceptance").textContent = `${(stats.acceptance_rate * 100).toFixed(1)}%`;
   $("stat-inflight").textContent = String(stats.requests_in_flight);
   $("stat-queued").textContent = admission ? `${admission.queued} / ${admission.max_queued}` : "—";
+  $("stat-prefix").textContent = `${stats.prefix_cache_hits} (${stats.prefix_cache_saved_tokens} tok saved)`;
+  $("stat-prefix").title = `${stats.prefix_cache_entries} prefixes cached on every node`;
   $("stat-requests").textContent = String(stats.requests_total);
   $("stat-errors").textContent = String(stats.errors_total);
   $("stat-errors").classList.toggle("bad", stats.errors_total > 0);
