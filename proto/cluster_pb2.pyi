@@ -149,7 +149,7 @@ class RequestOptions(_message.Message):
     def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "prefix_from", "prefix_save")
+    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "token_masks", "prefix_from", "prefix_save")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class StepEntry(_message.Message):
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -166,9 +167,10 @@ class StepEntry(_message.Message):
     rollback: int
     sample: bool
     options: RequestOptions
+    token_masks: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_from: int
     prefix_save: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("entries", "hidden", "sequence")
