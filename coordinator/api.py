@@ -23,6 +23,7 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
+from cluster.decode.token_mask import TokenConstraint
 from cluster.messages import MtpDepth, RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
 from coordinator.api_keys import ApiKeys, api_key_middleware
@@ -46,6 +47,7 @@ from coordinator.openai_schema import (
     text_usage_chunk,
 )
 from coordinator.partial_text import split_at_partial_marker
+from coordinator.response_format import JsonGrammars
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +342,7 @@ class _Api:
         self._counters = counters
         self._stop_tokens = stop_token_ids(tokenizer)
         self._token_text = TokenText(tokenizer)
+        self._grammars = JsonGrammars(tokenizer, self._stop_tokens)
         self._created = int(time.time())
         self._mtp_depth = mtp_depth  # for requests that do not name theirs
 
@@ -353,7 +356,17 @@ class _Api:
         prompt = render_chat_prompt(self._tokenizer, chat)
         reply = ChatReply(prompt, chat.offered_tools)
         fmt = _ChatFormat(chat.params.model, reply, self._token_text)
-        return await self._generate(request, prompt.tokens, chat.params, fmt)
+        constraint = None
+        if chat.json_schema is not None:
+            if prompt.starts_in_reasoning:  # the JSON would land in the think block
+                raise ApiError(
+                    400,
+                    "'response_format' needs the reply to start with the answer: turn thinking "
+                    "off (chat_template_kwargs.enable_thinking: false)",
+                    param="response_format",
+                )
+            constraint = self._grammars.constraint(chat.json_schema)
+        return await self._generate(request, prompt.tokens, chat.params, fmt, constraint)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         max_context = self._engine.max_context
@@ -429,7 +442,10 @@ class _Api:
         return completion.prompt
 
     def _generation_request(
-        self, prompt: tuple[int, ...], params: CommonParams
+        self,
+        prompt: tuple[int, ...],
+        params: CommonParams,
+        constraint: TokenConstraint | None = None,
     ) -> GenerationRequest:
         """Check the context budget here, before a slot is taken, and build the request."""
         max_context = self._engine.max_context
@@ -452,7 +468,9 @@ class _Api:
             mtp_depth=depth,
         )
         try:
-            return GenerationRequest(prompt, max_tokens, options, self._stop_tokens)
+            return GenerationRequest(
+                prompt, max_tokens, options, self._stop_tokens, constraint=constraint
+            )
         except RequestError as exc:
             raise ApiError(400, str(exc), code="invalid_request") from exc
 
@@ -462,8 +480,9 @@ class _Api:
         prompt: tuple[int, ...],
         params: CommonParams,
         fmt: _Format,
+        constraint: TokenConstraint | None = None,
     ) -> web.StreamResponse:
-        generation = self._generation_request(prompt, params)
+        generation = self._generation_request(prompt, params, constraint)
         async with self._admission.slot():
             self._counters.in_flight += 1
             self._counters.prompt_tokens_total += len(prompt)

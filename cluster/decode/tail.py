@@ -30,6 +30,7 @@ import mlx.core as mx
 from cluster.decode.mtp_depth import Acceptance, DepthPolicy
 from cluster.decode.sampling import RequestRandom, log_probs, sample
 from cluster.decode.step_cost import StepCost
+from cluster.decode.token_mask import constrain
 from cluster.decode.verify import Candidates, decide, propose
 from cluster.messages import (
     MAX_MTP_DEPTH,
@@ -186,7 +187,7 @@ class Tail:
             n = job.step.draft_len + 1
             drafts = job.step.tokens[job.step.n_confirmed :]
             params = job.state.options.sampling
-            target = log_probs(logits[row : row + n], params)
+            target = log_probs(constrain(logits[row : row + n], job.step.token_masks), params)
             q = job.state.draft_logprobs[: len(drafts)] if drafts and not params.greedy else None
             job.candidates = propose(target, drafts, q, params, job.state.rng)
             if job.state.options.logprobs:
