@@ -146,6 +146,7 @@ def _entries() -> list[StepRequest]:
             options=RequestOptions(SamplingParams(temperature=0.0, seed=3), logprobs=True),
         ),
         StepRequest("r-decode", (42, 43), 1234, draft_len=1, rollback=1),
+        StepRequest("r-masked", (5, 6), 9, draft_len=1, token_masks=(b"\x01\xff", b"\x00")),
         StepRequest("r-deep", (42, 43, 44, 45), 99, draft_len=3, rollback=2),
         StepRequest("r-greedy-off", (7,), 2**40, options=RequestOptions(mtp=False)),
         StepRequest("r-depth-0", (7,), 0, options=RequestOptions(mtp_depth=0)),
@@ -276,6 +277,13 @@ def test_logprobs_are_float32_on_the_wire():
     result = StepResult("r", (1,), 1, logprobs=(-0.1,))
     (got,), _ = wire.results_from_proto(_over_the_wire(wire.results_to_proto([result], [])))
     assert got.logprobs == pytest.approx((-0.1,), rel=1e-7)
+
+
+def test_token_masks_need_one_per_sampled_position():
+    with pytest.raises(RequestError, match="token_masks"):
+        StepRequest("r", (5, 6), 0, draft_len=1, token_masks=(b"\x01",))
+    with pytest.raises(RequestError, match="token_masks"):
+        StepRequest("r", (5,), 0, sample=False, token_masks=(b"\x01",))
 
 
 def test_top_logprobs_need_logprobs_and_at_most_20():

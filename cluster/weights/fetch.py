@@ -3,10 +3,10 @@
 `ensure_shard` returns a model directory holding a verified copy of the shard's tensors: the
 directory the coordinator named when it is on this machine and is the same model (by content),
 or else the node's cache, after fetching what is missing there. Every chunk is hashed as it
-arrives (in the stream's own thread; hashlib and pwrite release the GIL, so the streams run in
-parallel) and written only if it matches the manifest; a chunk that does not is asked for again
-(a few rounds), and a shard is returned only when every one of its chunks is verified, so
-nothing unverified is ever loaded.
+arrives (in a pool beside the receiving thread; hashlib and pwrite release the GIL) and written
+only if it matches the manifest; a chunk that does not is asked for again (a few rounds), and a
+shard is returned only when every one of its chunks is verified, so nothing unverified is ever
+loaded.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """A node's weights cache: one directory per model (named by its digest), a size cap, LRU eviction.
 
-Each cached model is a model directory that `load_shard` reads as it is: the small files
-(config.json, tokenizer, index) and every safetensors file at its full size, its header in
-place and only the node's tensors written, at their own offsets (the file is sparse: what was
-never fetched takes no disk). `chunks.log` lists the chunks written; it is only a hint: a chunk
-counts as present once its bytes, read back from the file, hash to the manifest (a verified
-read), so a torn write or a byte flipped on disk is found and fetched again, never loaded.
+Each cached model is a model directory that `load_shard` reads as it is: the small files it
+needs (config.json, the index; nodes never tokenize) and every safetensors file at its full
+size, its header in place and only the node's tensors written, at their own offsets (the file
+is sparse: what was never fetched takes no disk). `chunks.log` lists the chunks written; it is
+only a hint: a chunk counts as present once its bytes, read back from the file, hash to the
+manifest (a verified read), so a torn write or a byte flipped on disk is found and fetched
+again, never loaded.
 """
 
 from __future__ import annotations
