@@ -233,8 +233,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
         try:
             messages = [{"role": "user", "content": "Show me the source of a stack"}]
             body = {"messages": messages, "max_tokens": 8}
+            pipeline = coordinator.pipeline
             first = await (await client.post("/v1/chat/completions", json=body)).json()
-            assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first
             answer = first["choices"][0]["message"]["content"]
             messages += [
                 {"role": "assistant", "content": answer},
@@ -243,8 +244,15 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             body = {"messages": messages, "max_tokens": 8}
             second = await (await client.post("/v1/chat/completions", json=body)).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # (A re-placement in between, after a missed heartbeat, would start a new index.)
+            index = coordinator.engine.engine.prefix_index
+            assert coordinator.pipeline is pipeline, "the model was re-placed between the turns"
             # At least the first prompt, which every node kept at its end.
-            assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
+            assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"], (
+                first,
+                second,
+                index.stats,
+            )
             metrics = await (await client.get("/metrics")).text()
             assert "cluster_prefix_cache_hits_total 1\n" in metrics
             assert f"cluster_prefix_cache_saved_tokens_total {cached}\n" in metrics
