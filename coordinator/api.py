@@ -24,7 +24,7 @@ from aiohttp import web
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.decode.token_mask import TokenConstraint
-from cluster.messages import RequestError, RequestOptions
+from cluster.messages import MtpDepth, RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
 from coordinator.api_keys import ApiKeys, api_key_middleware
 from coordinator.chat_prompt import render_chat_prompt
@@ -80,6 +80,7 @@ def create_app(
     admission: AdmissionController,
     counters: RequestCounters | None = None,
     api_keys: ApiKeys | None = None,
+    mtp_depth: MtpDepth = 1,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
@@ -87,9 +88,12 @@ def create_app(
     that reports `ClusterStats`, so that the requests counted here show up in its stats.
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
     up cancels its request at once, not only at the next write. With `api_keys`, the routes
-    they guard need `Authorization: Bearer KEY`.
+    they guard need `Authorization: Bearer KEY`. `mtp_depth` is the MTP drafts per step of a
+    request that does not name its own.
     """
-    api = _Api(engine, tokenizer, view, model_id, admission, counters or RequestCounters())
+    api = _Api(
+        engine, tokenizer, view, model_id, admission, counters or RequestCounters(), mtp_depth
+    )
     keys = api_keys or ApiKeys()
     app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
@@ -328,6 +332,7 @@ class _Api:
         model_id: str,
         admission: AdmissionController,
         counters: RequestCounters,
+        mtp_depth: MtpDepth = 1,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
@@ -339,6 +344,7 @@ class _Api:
         self._token_text = TokenText(tokenizer)
         self._grammars = JsonGrammars(tokenizer, self._stop_tokens)
         self._created = int(time.time())
+        self._mtp_depth = mtp_depth  # for requests that do not name theirs
 
     # --- OpenAI endpoints -------------------------------------------------------------------
 
@@ -454,10 +460,12 @@ class _Api:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
+        depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
         options = RequestOptions(
             sampling=params.sampling,
             logprobs=params.top_logprobs is not None,
             top_logprobs=params.top_logprobs or 0,
+            mtp_depth=depth,
         )
         try:
             return GenerationRequest(
