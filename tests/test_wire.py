@@ -152,13 +152,14 @@ def _entries() -> list[StepRequest]:
         StepRequest("r-depth-0", (7,), 0, options=RequestOptions(mtp_depth=0)),
         StepRequest("r-depth-4", (7,), 0, options=RequestOptions(mtp_depth=4)),
         StepRequest("r-auto", (7,), 0, options=RequestOptions(mtp_depth="auto")),
+        StepRequest("r-resume", (7,), 300, prefix_from=2**63 - 1, prefix_save=5),
     ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_step_batch_round_trip(dtype):
     entries = _entries()
-    hidden = mx.random.normal((1, 29, 64), key=mx.random.key(2)).astype(dtype)
+    hidden = mx.random.normal((1, 30, 64), key=mx.random.key(2)).astype(dtype)
     msg = _over_the_wire(wire.step_batch_to_proto(entries, hidden, 2**63 + 5))
     got, got_hidden, sequence = wire.step_batch_from_proto(msg)
     assert got == entries
