@@ -104,6 +104,9 @@ class StepRequest:
     rollback: int = 0
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
     options: RequestOptions | None = None  # set on the first step of a request only
+    # A constrained request's allowed tokens (cluster.decode.token_mask), one bitmask per
+    # sampled position: after the confirmed tokens, then after each draft.
+    token_masks: tuple[bytes, ...] = ()
     # The conversation cache (cluster.decode.snapshots): open the request from the prefix
     # snapshot of this id, which holds the `position` positions before this step; keep a
     # snapshot of this id of the caches after this step. 0: none.
@@ -117,6 +120,8 @@ class StepRequest:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):
             raise RequestError("draft_len must leave at least one confirmed token")
+        if self.token_masks and (not self.sample or len(self.token_masks) != self.draft_len + 1):
+            raise RequestError("token_masks needs one mask per sampled position")
         if self.prefix_from < 0 or self.prefix_save < 0:
             raise RequestError("prefix snapshot ids must be >= 0")
         if self.prefix_from and self.position == 0:

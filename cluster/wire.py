@@ -216,6 +216,7 @@ def step_batch_to_proto(
                 draft_len=e.draft_len,
                 rollback=e.rollback,
                 sample=e.sample,
+                token_masks=e.token_masks,
                 prefix_from=e.prefix_from,
                 prefix_save=e.prefix_save,
             )
@@ -241,6 +242,7 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
             rollback=m.rollback,
             sample=m.sample if m.HasField("sample") else _SAMPLE_DEFAULT,
             options=options_from_proto(m.options) if m.HasField("options") else None,
+            token_masks=tuple(m.token_masks),
             prefix_from=m.prefix_from,
             prefix_save=m.prefix_save,
         )

@@ -23,7 +23,8 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
-from cluster.messages import RequestError, RequestOptions
+from cluster.decode.token_mask import TokenConstraint
+from cluster.messages import MtpDepth, RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
 from coordinator.api_keys import ApiKeys, api_key_middleware
 from coordinator.chat_prompt import render_chat_prompt
@@ -46,6 +47,7 @@ from coordinator.openai_schema import (
     text_usage_chunk,
 )
 from coordinator.partial_text import split_at_partial_marker
+from coordinator.response_format import JsonGrammars
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ def create_app(
     admission: AdmissionController,
     counters: RequestCounters | None = None,
     api_keys: ApiKeys | None = None,
+    mtp_depth: MtpDepth = 1,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
@@ -85,9 +88,12 @@ def create_app(
     that reports `ClusterStats`, so that the requests counted here show up in its stats.
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
     up cancels its request at once, not only at the next write. With `api_keys`, the routes
-    they guard need `Authorization: Bearer KEY`.
+    they guard need `Authorization: Bearer KEY`. `mtp_depth` is the MTP drafts per step of a
+    request that does not name its own.
     """
-    api = _Api(engine, tokenizer, view, model_id, admission, counters or RequestCounters())
+    api = _Api(
+        engine, tokenizer, view, model_id, admission, counters or RequestCounters(), mtp_depth
+    )
     keys = api_keys or ApiKeys()
     app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
@@ -326,6 +332,7 @@ class _Api:
         model_id: str,
         admission: AdmissionController,
         counters: RequestCounters,
+        mtp_depth: MtpDepth = 1,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
@@ -335,7 +342,9 @@ class _Api:
         self._counters = counters
         self._stop_tokens = stop_token_ids(tokenizer)
         self._token_text = TokenText(tokenizer)
+        self._grammars = JsonGrammars(tokenizer, self._stop_tokens)
         self._created = int(time.time())
+        self._mtp_depth = mtp_depth  # for requests that do not name theirs
 
     # --- OpenAI endpoints -------------------------------------------------------------------
 
@@ -347,7 +356,17 @@ class _Api:
         prompt = render_chat_prompt(self._tokenizer, chat)
         reply = ChatReply(prompt, chat.offered_tools)
         fmt = _ChatFormat(chat.params.model, reply, self._token_text)
-        return await self._generate(request, prompt.tokens, chat.params, fmt)
+        constraint = None
+        if chat.json_schema is not None:
+            if prompt.starts_in_reasoning:  # the JSON would land in the think block
+                raise ApiError(
+                    400,
+                    "'response_format' needs the reply to start with the answer: turn thinking "
+                    "off (chat_template_kwargs.enable_thinking: false)",
+                    param="response_format",
+                )
+            constraint = self._grammars.constraint(chat.json_schema)
+        return await self._generate(request, prompt.tokens, chat.params, fmt, constraint)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         max_context = self._engine.max_context
@@ -423,7 +442,10 @@ class _Api:
         return completion.prompt
 
     def _generation_request(
-        self, prompt: tuple[int, ...], params: CommonParams
+        self,
+        prompt: tuple[int, ...],
+        params: CommonParams,
+        constraint: TokenConstraint | None = None,
     ) -> GenerationRequest:
         """Check the context budget here, before a slot is taken, and build the request."""
         max_context = self._engine.max_context
@@ -438,13 +460,17 @@ class _Api:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
+        depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
         options = RequestOptions(
             sampling=params.sampling,
             logprobs=params.top_logprobs is not None,
             top_logprobs=params.top_logprobs or 0,
+            mtp_depth=depth,
         )
         try:
-            return GenerationRequest(prompt, max_tokens, options, self._stop_tokens)
+            return GenerationRequest(
+                prompt, max_tokens, options, self._stop_tokens, constraint=constraint
+            )
         except RequestError as exc:
             raise ApiError(400, str(exc), code="invalid_request") from exc
 
@@ -454,8 +480,9 @@ class _Api:
         prompt: tuple[int, ...],
         params: CommonParams,
         fmt: _Format,
+        constraint: TokenConstraint | None = None,
     ) -> web.StreamResponse:
-        generation = self._generation_request(prompt, params)
+        generation = self._generation_request(prompt, params, constraint)
         async with self._admission.slot():
             self._counters.in_flight += 1
             self._counters.prompt_tokens_total += len(prompt)

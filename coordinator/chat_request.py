@@ -2,9 +2,9 @@
 
 Beyond what both endpoints share (`openai_schema.common_params`): the messages, with the
 assistant's earlier tool calls and reasoning and the `tool` results that answer them; the
-tools and `tool_choice`; `chat_template_kwargs` for the chat template; logprobs. Every field is
-either honoured or refused with a 400 that names it, never silently dropped: that includes
-`response_format` (no constrained decoding here) and strict function schemas.
+tools and `tool_choice`; `chat_template_kwargs` for the chat template; logprobs;
+`response_format` (the JSON schema the reply must fit). Every field is either honoured or
+refused with a 400 that names it, never silently dropped (strict function schemas, say).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...] = ()  # as sent: {"type": "function", "function": {...}}
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    json_schema: dict[str, Any] | None = None  # response_format: the reply must fit it
 
     @property
     def offered_tools(self) -> tuple[dict[str, Any], ...]:
@@ -90,16 +91,20 @@ def parse_chat_request(raw: bytes, *, model_id: str, max_context: int) -> ChatRe
     parsed = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
     params = common_params(body, model_id=model_id, max_context=max_context)
     params = replace(params, top_logprobs=_logprobs(body))
-    _response_format(body.get("response_format"))
+    json_schema = _response_format(body.get("response_format"))
     if optional(body, "parallel_tool_calls", bool, True) is False:
         raise unsupported(
             "'parallel_tool_calls: false' is not supported: the model may emit several calls",
             "parallel_tool_calls",
         )
     tools = _tools(body.get("tools"))
-    return ChatRequest(
-        parsed, params, tools, _tool_choice(body.get("tool_choice"), tools), _template_kwargs(body)
-    )
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    if json_schema is not None and choice.mode != "none":
+        raise unsupported(
+            "'response_format' and tools cannot be combined: the reply is either JSON or calls",
+            "response_format",
+        )
+    return ChatRequest(parsed, params, tools, choice, _template_kwargs(body), json_schema)
 
 
 def _message(message: object, where: str) -> ChatMessage:
@@ -260,18 +265,30 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _response_format(value: object) -> None:
-    if value is None:
-        return
+def _response_format(value: object) -> dict[str, Any] | None:
+    """The JSON schema the reply must fit (any object for json_object); None for text."""
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text" and set(value) == {"type"}:  # type: ignore[arg-type]
-        return
-    if kind in ("json_object", "json_schema"):
-        raise unsupported(
-            f"'response_format' of type '{kind}' needs constrained decoding, which this "
-            "server does not do; ask for JSON in the prompt instead",
-            "response_format",
-        )
+    if value is None or (kind == "text" and set(value) == {"type"}):  # type: ignore[arg-type]
+        return None
+    if kind == "json_object" and set(value) == {"type"}:  # type: ignore[arg-type]
+        return {"type": "object"}
+    spec = value.get("json_schema") if isinstance(value, dict) else None
+    if kind == "json_schema" and isinstance(spec, dict) and set(value) == {"type", "json_schema"}:
+        unknown = set(spec) - {"name", "description", "schema", "strict"}
+        if unknown or not isinstance(spec.get("name"), str):
+            raise invalid(
+                "'response_format.json_schema' takes a string 'name', and 'description', "
+                "'schema' and 'strict'",
+                "response_format",
+            )
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise invalid(
+                "'response_format.json_schema.schema' must be an object", "response_format"
+            )
+        return schema  # strict or not, the reply is held to the schema
     raise invalid(
-        "'response_format' must be {type: text | json_object | json_schema}", "response_format"
+        "'response_format' must be {type: text}, {type: json_object} or "
+        "{type: json_schema, json_schema: {name, schema}}",
+        "response_format",
     )

@@ -20,6 +20,7 @@ import click
 
 from cluster.config import bundled_model_path
 from cluster.local import parse_layers
+from cluster.messages import MtpDepth, RequestError, parse_mtp_depth
 from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
 from coordinator.service import run_coordinator
 from node.auth import TLSConfig
@@ -77,6 +78,12 @@ NODE_START_TIMEOUT_S = 60.0
     help="Accepted API keys, one a line (with or instead of --api-key).",
 )
 @click.option(
+    "--mtp-depth",
+    default="1",
+    show_default=True,
+    help="MTP drafts per step for requests that do not name theirs: 0-8 or auto.",
+)
+@click.option(
     "--open-monitoring",
     is_flag=True,
     help="With API keys: leave /metrics, /health and the dashboard's data open.",
@@ -102,6 +109,7 @@ def coordinator_command(
     weights_port: int,
     api_key: str | None,
     api_key_file: Path | None,
+    mtp_depth: str,
     open_monitoring: bool,
     no_prefix_cache: bool,
 ) -> None:
@@ -127,6 +135,7 @@ def coordinator_command(
                 tls=TLSConfig.from_files(tls_cert, tls_key),
                 weights_port=weights_port,
                 api_keys=keys,
+                mtp_depth=_mtp_depth(mtp_depth),
                 prefix_cache=not no_prefix_cache,
             )
         )
@@ -134,6 +143,13 @@ def coordinator_command(
         pass
     except (OSError, ValueError) as error:
         raise click.ClickException(str(error)) from error
+
+
+def _mtp_depth(text: str) -> MtpDepth:
+    try:
+        return parse_mtp_depth(text)
+    except RequestError as error:
+        raise click.BadParameter(str(error), param_hint="--mtp-depth") from error
 
 
 def _free_port() -> int:

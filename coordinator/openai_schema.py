@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.messages import MAX_TOP_LOGPROBS, RequestError, SamplingParams
+from cluster.messages import MAX_MTP_DEPTH, MAX_TOP_LOGPROBS, MtpDepth, RequestError, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one costs a scan of the held-back text
 # The fields both endpoints read; each endpoint adds its own (see `check_fields`).
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "logit_bias",
+    "mtp_depth",
 })  # fmt: skip
 
 
@@ -71,6 +72,7 @@ class CommonParams:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     top_logprobs: int | None = None  # None: no logprobs; n: the token's and the n likeliest
+    mtp_depth: MtpDepth | None = None  # MTP drafts per step (an extension); None: the server's
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +152,19 @@ def common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> C
         raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")
     sampling = _sampling(body)
     _no_op_only(body)
-    return CommonParams(model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage)
+    return CommonParams(
+        model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage,
+        mtp_depth=_mtp_depth(body.get("mtp_depth")),
+    )  # fmt: skip
+
+
+def _mtp_depth(value: object) -> MtpDepth | None:
+    """This server's extension: MTP drafts per step, 0..MAX_MTP_DEPTH or "auto"."""
+    if value is None:
+        return None
+    if value == "auto" or (is_int(value) and 0 <= value <= MAX_MTP_DEPTH):
+        return value
+    raise invalid(f"'mtp_depth' must be an integer in [0, {MAX_MTP_DEPTH}] or 'auto'", "mtp_depth")
 
 
 def _no_op_only(body: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
 from cluster.decode.prefix_index import PrefixIndex
+from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
@@ -295,6 +296,7 @@ async def run_coordinator(
     started: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
     api_keys: ApiKeys | None = None,
+    mtp_depth: MtpDepth = 1,
     weights_port: int = 0,
     prefix_cache: bool = True,
 ) -> None:
@@ -326,6 +328,7 @@ async def run_coordinator(
         ),
         counters=coordinator.counters,
         api_keys=api_keys,
+        mtp_depth=mtp_depth,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

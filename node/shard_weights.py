@@ -51,6 +51,7 @@ class ShardWeights:
         # A LoadShard cancelled mid-transfer (its caller gave up) leaves its thread fetching;
         # the next one waits for it rather than fetching the same chunks beside it.
         self._fetching = threading.Lock()
+        self.cached = store.models()  # for Info; listed again after each transfer
 
     async def model_dir(self, request: pb.LoadShardRequest, peer: str) -> Path:
         """The directory to load the shard from (after any transfer it takes)."""
@@ -70,7 +71,10 @@ class ShardWeights:
         def fetch(**kwargs) -> Path:
             with self._fetching:
                 self.progress = progress
-                return ensure_shard(**kwargs)
+                try:
+                    return ensure_shard(**kwargs)
+                finally:
+                    self.cached = self.store.models()
 
         try:
             return await asyncio.to_thread(
@@ -95,3 +99,14 @@ class ShardWeights:
             info.weights_fetched_bytes = self.progress.verified_bytes
             info.weights_fetch_total_bytes = self.progress.total_bytes
             info.weights_received_bytes = self.progress.received_bytes
+        info.cached_models.extend(
+            pb.WeightsCachedModel(
+                digest=m.digest,
+                name=m.name,
+                disk_bytes=m.disk_bytes,
+                model_bytes=m.model_bytes,
+                present_bytes=m.present_bytes,
+                last_used=m.last_used,
+            )
+            for m in self.cached
+        )

@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class NodeInfo(_message.Message):
     WEIGHTS_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_MODELS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -79,12 +80,13 @@ class NodeInfo(_message.Message):
     weights_fetched_bytes: int
     weights_fetch_total_bytes: int
     weights_received_bytes: int
+    cached_models: _containers.RepeatedCompositeFieldContainer[WeightsCachedModel]
     positions_computed: int
     prefix_snapshots: int
     prefix_snapshot_bytes: int
     prefix_budget_bytes: int
     prefix_resumes: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
     __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes")
@@ -147,7 +149,7 @@ class RequestOptions(_message.Message):
     def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "prefix_from", "prefix_save")
+    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "token_masks", "prefix_from", "prefix_save")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class StepEntry(_message.Message):
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -164,9 +167,10 @@ class StepEntry(_message.Message):
     rollback: int
     sample: bool
     options: RequestOptions
+    token_masks: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_from: int
     prefix_save: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("entries", "hidden", "sequence")
@@ -331,3 +335,19 @@ class WeightsChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class WeightsCachedModel(_message.Message):
+    __slots__ = ("digest", "name", "disk_bytes", "model_bytes", "present_bytes", "last_used")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    name: str
+    disk_bytes: int
+    model_bytes: int
+    present_bytes: int
+    last_used: float
+    def __init__(self, digest: _Optional[str] = ..., name: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., present_bytes: _Optional[int] = ..., last_used: _Optional[float] = ...) -> None: ...

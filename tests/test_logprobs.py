@@ -4,7 +4,7 @@ or off, greedy or sampled; chat and completions shapes as the `openai` client re
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -13,12 +13,9 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 
 from cluster.config import bundled_model_path
-from cluster.decode.engine import GenerationChunk, GenerationRequest
-from cluster.local import LocalEngine, open_local_engine
-from coordinator.admission import AdmissionController
-from coordinator.api import create_app
 from coordinator.logprobs import TokenText
-from tests.fakes import MODEL_ID, FakeClusterView, ServedApp, tokenizer
+from tests.fakes import MODEL_ID, ServedApp, tokenizer
+from tests.local_api import RecordingEngine, serve_local_engine
 
 PROMPT = [{"role": "user", "content": "Show me the source of fibonacci"}]
 TOKENS = 12
@@ -26,40 +23,10 @@ TOP = 5
 TOLERANCE = 0.02  # bf16 logits: a cached step and a whole-sequence forward round apart
 
 
-class RecordingEngine:
-    """The local engine, opened on the server's loop, recording the tokens it emits."""
-
-    def __init__(self) -> None:
-        self.local: LocalEngine | None = None
-        self.emitted: list[int] = []
-
-    @property
-    def max_context(self) -> int:
-        assert self.local is not None
-        return self.local.engine.max_context
-
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        assert self.local is not None
-        self.emitted = []
-        async for chunk in self.local.engine.stream(request):
-            self.emitted += chunk.tokens
-            yield chunk
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["mtp", "no-mtp"])
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[ServedApp, RecordingEngine]]:
-    engine = RecordingEngine()
-    view = FakeClusterView()
-    admission = AdmissionController(2, 2, 10.0)
-    app = create_app(engine, tokenizer(), view, model_id=MODEL_ID, admission=admission)
-    served = ServedApp(app)
-    served.start()
-    engine.local = served.call(open_local_engine(bundled_model_path(), mtp=request.param))
-    try:
-        yield served, engine
-    finally:
-        engine.local.close()
-        served.stop()
+    with serve_local_engine(mtp=request.param) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

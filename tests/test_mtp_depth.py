@@ -6,6 +6,8 @@ depth 3; requests of different depths in one batch; the adaptive depth policy.""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -337,6 +339,15 @@ def test_fixed_depths_stay_fixed_and_auto_explores() -> None:
     assert chosen.count(0) == 30 and chosen.count(1) == 2
 
 
+def test_a_new_request_starts_from_the_nodes_acceptance() -> None:
+    node = Acceptance()
+    for _ in range(50):
+        DepthPolicy("auto", node).record(2, 0)  # every request's verdicts reach the node's
+    assert node.judged[0] > 10
+    assert DepthPolicy("auto", node).next_depth(_cost(1.0), 0) == 0
+    assert DepthPolicy("auto").next_depth(_cost(0.02), 0) == 4  # optimistic, rows nearly free
+
+
 def test_step_cost_interpolates_and_extrapolates() -> None:
     cost = StepCost()
     assert cost.seconds(3) is None
@@ -355,3 +366,56 @@ def test_mtp_depth_option_is_validated() -> None:
             parse_mtp_depth(bad)
     with pytest.raises(RequestError):
         RequestOptions(mtp_depth=True)
+
+
+# ---- the option on the command line and in the HTTP API ----
+
+
+def test_generate_takes_mtp_depth(model_dir) -> None:
+    from click.testing import CliRunner
+
+    from cluster.cli import main
+
+    args = ["generate", "--prompt", CODE_PROMPTS[0], "--max-tokens", "12", "--json"]
+    outs = {depth: CliRunner().invoke(main, [*args, "--mtp-depth", depth]) for depth in ("0", "3")}
+    assert all(out.exit_code == 0 for out in outs.values()), outs
+    plain, deep = (json.loads(outs[d].output) for d in ("0", "3"))
+    assert plain["tokens"] == deep["tokens"] and plain["drafted"] == 0 < deep["drafted"]
+    bad = CliRunner().invoke(main, [*args, "--mtp-depth", "9"])
+    assert bad.exit_code != 0 and "mtp_depth" in bad.output
+
+
+def test_http_requests_name_their_depth_or_get_the_servers() -> None:
+    from fakes import MODEL_ID, FakeClusterView, FakeEngine, ServedApp, tokenizer
+
+    from coordinator.admission import AdmissionController
+    from coordinator.api import create_app
+
+    engine, view = FakeEngine.saying("x = 1"), FakeClusterView()
+    app = create_app(
+        engine, tokenizer(), view, model_id=MODEL_ID, admission=AdmissionController(2, 2, 5.0),
+        counters=view.counters, mtp_depth="auto",
+    )  # fmt: skip
+    served = ServedApp(app)
+    served.start()
+    try:
+
+        def post(body: dict) -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+            try:
+                body = {"prompt": "def f(", "max_tokens": 4, **body}
+                conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})  # fmt: skip
+                response = conn.getresponse()
+                response.read()
+                return response.status
+            finally:
+                conn.close()
+
+        assert post({"mtp_depth": 3}) == 200 and engine.requests[-1].options.mtp_depth == 3
+        assert post({}) == 200 and engine.requests[-1].options.mtp_depth == "auto"
+        assert post({"mtp_depth": 0}) == 200 and engine.requests[-1].options.mtp_depth == 0
+        assert post({"mtp_depth": "deep"}) == 400 and post({"mtp_depth": 9}) == 400
+        assert len(engine.requests) == 3
+    finally:
+        served.stop()

@@ -24,7 +24,7 @@ from nodes import NodeGroup, node_infos
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from cluster.decode.prefix_index import PrefixEntry, PrefixIndex
 from cluster.local import open_local_engine
-from cluster.messages import RequestOptions
+from cluster.messages import RequestError, RequestOptions, StepRequest
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.discovery import NodeDirectory
@@ -168,6 +168,28 @@ def test_evicted_prefixes_are_dropped_on_every_node(trio, model_dir, tokenizer, 
             assert len(index) == 0 and await _snapshot_counts(trio.addresses) == [0, 0, 0]
         finally:
             await pipeline.close()
+        # A budget for a few snapshots (fewer on the head, whose layers' states are the
+        # largest): each node evicts its least recently used, and what one node dropped goes
+        # from the index and every node.
+        pipeline = await _cached_pipeline(model_dir, trio, prefix_budget_bytes=700_000)
+        try:
+            index = PrefixIndex()
+            cached = GenerationEngine(pipeline, prefix_index=index)
+            for text in CODE_PROMPTS:
+                prompt = tuple(tokenizer.encode(text))
+                await cached.generate(GenerationRequest(prompt, 4, NO_MTP))
+            assert 1 <= len(index) < 2 * len(CODE_PROMPTS)
+
+            async def as_many_as_indexed() -> bool:
+                return await _snapshot_counts(trio.addresses) == [len(index)] * 3
+
+            await _settled(
+                as_many_as_indexed, "the index's snapshots, and only those, on every node"
+            )
+            second = await cached.generate(GenerationRequest(second_prompt, ANSWER_TOKENS, NO_MTP))
+            assert second.tokens == reference.tokens
+        finally:
+            await pipeline.close()
         # The index's capacity: the least recently used entries go from every node.
         pipeline = await _cached_pipeline(model_dir, trio)
         try:
@@ -211,8 +233,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
         try:
             messages = [{"role": "user", "content": "Show me the source of a stack"}]
             body = {"messages": messages, "max_tokens": 8}
+            pipeline = coordinator.pipeline
             first = await (await client.post("/v1/chat/completions", json=body)).json()
-            assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first
             answer = first["choices"][0]["message"]["content"]
             messages += [
                 {"role": "assistant", "content": answer},
@@ -221,8 +244,15 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             body = {"messages": messages, "max_tokens": 8}
             second = await (await client.post("/v1/chat/completions", json=body)).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # (A re-placement in between, after a missed heartbeat, would start a new index.)
+            index = coordinator.engine.engine.prefix_index
+            assert coordinator.pipeline is pipeline, "the model was re-placed between the turns"
             # At least the first prompt, which every node kept at its end.
-            assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
+            assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"], (
+                first,
+                second,
+                index.stats,
+            )
             metrics = await (await client.get("/metrics")).text()
             assert "cluster_prefix_cache_hits_total 1\n" in metrics
             assert f"cluster_prefix_cache_saved_tokens_total {cached}\n" in metrics
@@ -278,3 +308,10 @@ def test_index_finds_the_longest_usable_prefix() -> None:
     index.forget([11])
     assert index.longest((1, 2, 3), mtp=False) is None and len(index) == 1
     assert index.add(PrefixEntry((1, 2), 11, mtp=False)) == [11]  # a dropped id stays dropped
+
+
+def test_steps_name_snapshots_only_where_they_can_be() -> None:
+    with pytest.raises(RequestError, match="position > 0"):
+        StepRequest("r", (1, 2), 0, prefix_from=5)
+    with pytest.raises(RequestError, match="without drafts"):
+        StepRequest("r", (1, 2), 7, draft_len=1, prefix_save=5)

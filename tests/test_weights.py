@@ -201,6 +201,10 @@ def test_empty_cache_node_fetches_exactly_its_shard(group, source, requests, ref
     # Loaded again: the cache has it all, verified on read; nothing is fetched.
     assert run(_generate(source, pair, requests)) == reference
     assert [i.weights_fetch_total_bytes for i in run(node_infos(pair))] == [0, 0]
+    # `cluster models --nodes` lists what each node's cache holds.
+    out = CliRunner().invoke(models_command, ["--nodes", ",".join(pair), "--token", nodes.TOKEN])
+    assert out.exit_code == 0, out.output
+    assert out.output.count(source.digest) == 2 and out.output.count("node ") == 2
 
 
 def test_a_byte_flipped_in_the_cache_is_fetched_again(group, caches, source, requests, reference):

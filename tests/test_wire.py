@@ -146,18 +146,20 @@ def _entries() -> list[StepRequest]:
             options=RequestOptions(SamplingParams(temperature=0.0, seed=3), logprobs=True),
         ),
         StepRequest("r-decode", (42, 43), 1234, draft_len=1, rollback=1),
+        StepRequest("r-masked", (5, 6), 9, draft_len=1, token_masks=(b"\x01\xff", b"\x00")),
         StepRequest("r-deep", (42, 43, 44, 45), 99, draft_len=3, rollback=2),
         StepRequest("r-greedy-off", (7,), 2**40, options=RequestOptions(mtp=False)),
         StepRequest("r-depth-0", (7,), 0, options=RequestOptions(mtp_depth=0)),
         StepRequest("r-depth-4", (7,), 0, options=RequestOptions(mtp_depth=4)),
         StepRequest("r-auto", (7,), 0, options=RequestOptions(mtp_depth="auto")),
+        StepRequest("r-resume", (7,), 300, prefix_from=2**63 - 1, prefix_save=5),
     ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_step_batch_round_trip(dtype):
     entries = _entries()
-    hidden = mx.random.normal((1, 29, 64), key=mx.random.key(2)).astype(dtype)
+    hidden = mx.random.normal((1, 30, 64), key=mx.random.key(2)).astype(dtype)
     msg = _over_the_wire(wire.step_batch_to_proto(entries, hidden, 2**63 + 5))
     got, got_hidden, sequence = wire.step_batch_from_proto(msg)
     assert got == entries
@@ -275,6 +277,13 @@ def test_logprobs_are_float32_on_the_wire():
     result = StepResult("r", (1,), 1, logprobs=(-0.1,))
     (got,), _ = wire.results_from_proto(_over_the_wire(wire.results_to_proto([result], [])))
     assert got.logprobs == pytest.approx((-0.1,), rel=1e-7)
+
+
+def test_token_masks_need_one_per_sampled_position():
+    with pytest.raises(RequestError, match="token_masks"):
+        StepRequest("r", (5, 6), 0, draft_len=1, token_masks=(b"\x01",))
+    with pytest.raises(RequestError, match="token_masks"):
+        StepRequest("r", (5,), 0, sample=False, token_masks=(b"\x01",))
 
 
 def test_top_logprobs_need_logprobs_and_at_most_20():

@@ -19,11 +19,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from cluster.decode.pipeline import Pipeline
 from cluster.decode.prefix_index import PrefixEntry, PrefixIndex, PrefixPipeline
+from cluster.decode.token_mask import TokenConstraint
 from cluster.messages import RequestError, RequestOptions, StepRequest, StepResult
 
 
@@ -34,6 +35,8 @@ class GenerationRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     stop_tokens: frozenset[int] = frozenset()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Which tokens may come next (e.g. a JSON schema); it goes on with the request.
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -144,6 +147,9 @@ class GenerationEngine:
                 # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
                 drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
                 step = self._next_step(step, result, drafts)
+                if request.constraint is not None:
+                    request.constraint.advance(tokens)
+                    step = replace(step, token_masks=request.constraint.masks(drafts))
                 settled = None
                 result = await self.pipeline.submit(step)
         finally:
@@ -198,6 +204,8 @@ class GenerationEngine:
             )
             for i in range(begin, len(prompt), size)
         ]
+        if request.constraint is not None:
+            steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
         # Submitted together: a later chunk can enter the head while an earlier one runs on.
         pending = [asyncio.ensure_future(self.pipeline.submit(s)) for s in steps]
         try:

@@ -11,7 +11,8 @@ counting one token per position of the others (an upper bound, which leans again
 k = 0 when no depth beats a plain step: where extra rows cost per row (a long batch, a CPU)
 a draft must pass more often than a row costs.
 
-Estimates start from an optimistic prior and a depth that is not chosen is still tried every
+A request's estimates start from the node's running acceptance over all its requests (an
+optimistic constant before any verdict), and a depth that is not chosen is still tried every
 `EXPLORE_EVERY` steps (one deeper than the choice), so that a request whose text turns
 predictable, or a machine that turns out cheap per row, is noticed.
 """
@@ -45,22 +46,28 @@ class Acceptance:
             self.judged[i] = self.judged[i] * DECAY + 1.0
             self.passed[i] = self.passed[i] * DECAY + (1.0 if i < accepted else 0.0)
 
-    def rate(self, position: int) -> float:
-        """Estimated chance that draft `position` (0-based) passes after the earlier ones."""
+    def rate(self, position: int, prior: Acceptance | None = None) -> float:
+        """Estimated chance that draft `position` (0-based) passes after the earlier ones,
+        what this acceptance saw weighed against `prior`'s estimate (or PRIOR_RATE)."""
         judged = self.judged[position] if position < len(self.judged) else 0.0
         passed = self.passed[position] if position < len(self.passed) else 0.0
-        return (passed + PRIOR_RATE * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
+        start = prior.rate(position) if prior is not None else PRIOR_RATE
+        return (passed + start * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
 
-    def expected_tokens(self, depth: int) -> float:
+    def expected_tokens(self, depth: int, prior: Acceptance | None = None) -> float:
         total, reach = 1.0, 1.0
         for i in range(depth):
-            reach *= self.rate(i)
+            reach *= self.rate(i, prior)
             total += reach
         return total
 
 
 def best_depth(
-    acceptance: Acceptance, cost: StepCost, others: int, max_depth: int = AUTO_MAX_DEPTH
+    acceptance: Acceptance,
+    cost: StepCost,
+    others: int,
+    max_depth: int = AUTO_MAX_DEPTH,
+    prior: Acceptance | None = None,
 ) -> int:
     """The depth with the most expected tokens per second for a batch where `others`
     positions belong to other requests; 1 while the node has measured nothing."""
@@ -69,7 +76,7 @@ def best_depth(
     best, best_rate = 0, 0.0
     for depth in range(max_depth + 1):
         seconds = cost.seconds(others + 1 + depth)
-        rate = (others + acceptance.expected_tokens(depth)) / max(seconds, 1e-9)
+        rate = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
         if rate > best_rate:
             best, best_rate = depth, rate
     return best
@@ -80,18 +87,21 @@ class DepthPolicy:
     """One request's draft count for each next step."""
 
     mode: MtpDepth
+    node: Acceptance | None = None  # the node's, over all requests (shared, updated here too)
     acceptance: Acceptance = field(default_factory=Acceptance)
     steps: int = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.acceptance.record(drafted, accepted)
+            if self.node is not None:
+                self.node.record(drafted, accepted)
 
     def next_depth(self, cost: StepCost, others: int) -> int:
         if self.mode != "auto":
             return self.mode
         self.steps += 1
-        depth = best_depth(self.acceptance, cost, others)
+        depth = best_depth(self.acceptance, cost, others, prior=self.node)
         if self.steps % EXPLORE_EVERY == 0:
             depth = min(depth + 1, AUTO_MAX_DEPTH)
         return depth

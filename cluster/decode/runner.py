@@ -87,7 +87,9 @@ class ShardRunner:
     def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
         started = time.perf_counter()
         output = self._run(steps, hidden)
-        if output.steps:
+        # Decode batches only (one confirmed token per request): a prefill chunk's positions
+        # cost less each (one lm_head row, no drafts), and would bend the decode curve.
+        if output.steps and all(step.n_confirmed == 1 for step in output.steps):
             positions = sum(len(step.tokens) for step in output.steps)
             self.step_cost.record(positions, time.perf_counter() - started)
         return output

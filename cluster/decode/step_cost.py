@@ -1,10 +1,10 @@
 """What a batch costs this node, by its number of positions, from the node's own counters.
 
-Every batch a shard runs is timed (from its start to its evaluated output) and recorded under
-its number of positions, as a running mean that follows the machine's load. The curve is what
-the adaptive MTP depth (cluster.decode.mtp_depth) weighs drafts against: on a GPU bound by
-reading the weights a step over 2-8 positions costs about what one costs, on this project's
-CPU test machine every extra row costs about as much as the first.
+Every decode batch a shard runs is timed (from its start to its evaluated output) and
+recorded under its number of positions, as a running mean that follows the machine's load.
+The curve is what the adaptive MTP depth (cluster.decode.mtp_depth) weighs drafts against:
+on a GPU bound by reading the weights a step over 2-8 positions costs about what one costs,
+on this project's CPU test machine every extra row costs about half of what the first does.
 """
 
 from __future__ import annotations

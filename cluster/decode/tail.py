@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from cluster.decode.mtp_depth import DepthPolicy
+from cluster.decode.mtp_depth import Acceptance, DepthPolicy
 from cluster.decode.sampling import RequestRandom, log_probs, sample
 from cluster.decode.step_cost import StepCost
+from cluster.decode.token_mask import constrain
 from cluster.decode.verify import Candidates, decide, propose
 from cluster.messages import (
     MAX_MTP_DEPTH,
@@ -119,6 +120,7 @@ class Tail:
         self.shard = shard
         self.mtp_reads_prenorm = mtp_reads_prenorm
         self.step_cost = step_cost if step_cost is not None else StepCost()
+        self.acceptance = Acceptance()  # over all requests: a new request's starting point
 
     def open(self, options: RequestOptions | None) -> TailRequest:
         options = options or RequestOptions()
@@ -126,7 +128,7 @@ class Tail:
         mtp_cache = (
             RequestCache.for_layers([False] * len(self.shard.mtp.layers)) if use_mtp else None
         )
-        depth = DepthPolicy(options.mtp_depth) if use_mtp else None
+        depth = DepthPolicy(options.mtp_depth, self.acceptance) if use_mtp else None
         return TailRequest(options, RequestRandom(options.sampling.seed), mtp_cache, depth=depth)
 
     @staticmethod
@@ -152,14 +154,19 @@ class Tail:
         jobs = [_Job(s, state, o) for s, state, o in zip(steps, states, offsets, strict=False)]
         self._verify(jobs, normed)
         mtp_jobs = [j for j in jobs if j.state.mtp_cache is not None]
+        # The next step's depth, from the verdicts before this one: known before the sync, a
+        # request that will not draft costs no lm_head row for a draft.
+        positions = sum(len(s.tokens) for s in steps)
         for job in mtp_jobs:
+            if job.candidates is not None:
+                others = positions - len(job.step.tokens)
+                job.depth = job.state.depth.next_depth(self.step_cost, others)
             job.state.discard_speculative()
             self._pair(job, mtp_input)
         self._draft([j for j in mtp_jobs if j.mtp_tokens is not None])
         mx.eval([a for job in jobs for a in job.arrays()])
-        positions = sum(len(s.tokens) for s in steps)
         for job in jobs:
-            self._conclude(job, positions)
+            self._conclude(job)
         self._chain([job for job in jobs if job.depth > 1])
         return [self._result(job) for job in jobs]
 
@@ -180,7 +187,7 @@ class Tail:
             n = job.step.draft_len + 1
             drafts = job.step.tokens[job.step.n_confirmed :]
             params = job.state.options.sampling
-            target = log_probs(logits[row : row + n], params)
+            target = log_probs(constrain(logits[row : row + n], job.step.token_masks), params)
             q = job.state.draft_logprobs[: len(drafts)] if drafts and not params.greedy else None
             job.candidates = propose(target, drafts, q, params, job.state.rng)
             if job.state.options.logprobs:
@@ -227,9 +234,9 @@ class Tail:
         # The draft comes after the position where the last emitted token stands: for a step
         # with k drafts, the one after the accepted prefix, picked on the device.
         rows = []
-        drafting = [job for job in jobs if job.candidates is not None]
+        drafting = [job for job in jobs if job.candidates is not None and job.depth]
         for job, end in zip(jobs, ends, strict=True):
-            if job.candidates is None:
+            if job.candidates is None or not job.depth:
                 continue
             if job.step.draft_len:
                 k = job.step.draft_len
@@ -246,23 +253,23 @@ class Tail:
             job.draft = (sample(q, params, job.state.rng), q)
             job.draft_hidden = rows[i]
 
-    def _conclude(self, job: _Job, positions: int) -> None:
-        """Read the verdict (after the sync): tokens, what stays, how deep the next drafts go."""
+    def _conclude(self, job: _Job) -> None:
+        """Read the verdict (after the sync): tokens, what stays, the first draft."""
         step, state = job.step, job.state
         if job.candidates is None:
             job.keep = len(step.tokens)
             return
         job.emitted, job.accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
         job.keep = step.n_confirmed + job.accepted
-        if job.draft is not None:
+        if state.mtp_cache is not None:
             rejected = step.draft_len - job.accepted
             if rejected:  # the pairs after the rejected draft never happened
                 state.mtp_cache.rollback(rejected)
             state.depth.record(step.draft_len, job.accepted)
-            job.depth = state.depth.next_depth(self.step_cost, positions - len(step.tokens))
+            state.drafts, state.draft_logprobs = (), None
+        if job.draft is not None:
             token, q = job.draft
-            state.drafts = (int(token.item()),) if job.depth else ()
-            state.draft_logprobs = q[None] if job.depth else None
+            state.drafts, state.draft_logprobs = (int(token.item()),), q[None]
         if job.logprobs is not None:  # emitted token j was predicted at row j
             job.emitted_logprobs = tuple(
                 job.logprobs[j, t].item() for j, t in enumerate(job.emitted)
@@ -311,7 +318,7 @@ class Tail:
         if job.candidates is None:
             return StepResult(step.request_id, (), job.keep)
         return StepResult(
-            step.request_id, job.emitted, job.keep, job.state.drafts if job.draft else (),
+            step.request_id, job.emitted, job.keep, job.state.drafts,
             step.draft_len, job.accepted, job.emitted_logprobs, job.emitted_top,
         )  # fmt: skip
 
