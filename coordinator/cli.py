@@ -261,6 +261,12 @@ def status_command(url: str, api_key: str | None) -> None:
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             data = json.load(response)
+    except urllib.error.HTTPError as error:
+        if error.code == 401:
+            raise click.ClickException(
+                f"the coordinator at {url} needs its API key (--api-key or ${API_KEY_ENV})"
+            ) from error
+        raise click.ClickException(f"the coordinator at {url} answered {error}") from error
     except (urllib.error.URLError, OSError) as error:
         raise click.ClickException(f"cannot reach the coordinator at {url}: {error}") from error
     stats = data.get("stats", {})

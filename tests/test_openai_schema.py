@@ -118,7 +118,7 @@ BAD_CHAT = [
     ),
     (_chat(response_format={"type": "json_object", "x": 1}), 400, "response_format", None),
     (_chat(response_format={"type": "yaml"}), 400, "response_format", None),
-    (_chat(parallel_tool_calls=False), 400, "parallel_tool_calls", "unsupported_parameter"),
+    (_chat(parallel_tool_calls="no"), 400, "parallel_tool_calls", None),
     (_chat(messages=[{"role": "user", "content": "x", "audio": {}}]), 400, "messages[0]", None),
     (_chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0]", None),
     (
