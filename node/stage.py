@@ -67,9 +67,12 @@ class Subscribers:
         for queue in self._queues:
             queue.put_nowait(batch)
 
-    def fail(self, request_ids: list[str], code: grpc.StatusCode, message: str) -> None:
+    def fail(
+        self, request_ids: list[str], code: grpc.StatusCode, message: str, epoch: int = 0
+    ) -> None:
         if request_ids:
-            self.publish(results_to_proto([], [(rid, code, message) for rid in request_ids]))
+            errors = [(rid, code, message) for rid in request_ids]
+            self.publish(results_to_proto([], errors, epoch))
 
 
 @dataclass(slots=True)
@@ -126,7 +129,11 @@ class Stage:
         token: str,
         tls: TLSConfig | None = None,
         max_batch_positions: int = 4096,
+        epoch: int = 0,
     ):
+        # The driver's placement this stage serves: a message of another epoch (from a node
+        # that hung and woke up with an old placement's work) is refused, never computed.
+        self.epoch = epoch
         self.runner = runner
         self.worker = worker
         self.subscribers = subscribers
@@ -141,13 +148,24 @@ class Stage:
     def accept(self, message: pb.StepBatch, reply: Reply) -> None:
         self.stats.messages_in += 1
         rids = frozenset(entry.request_id for entry in message.entries)
+        if message.epoch != self.epoch:
+            text = f"step of pipeline epoch {message.epoch}; this node serves epoch {self.epoch}"
+            log.info("refused a %s", text)
+            reply(pb.StepEvent(sequence=message.sequence))
+            # Answered in the message's own epoch: only a driver of that epoch listens to it.
+            self.subscribers.fail(
+                list(rids), grpc.StatusCode.FAILED_PRECONDITION, text, message.epoch
+            )
+            return
         self._inbound.append(_Inbound(message, reply, rids))
         self._wakeup.set()
 
     async def close(self) -> None:
         self._task.cancel()
+        self._inbound.clear()
         if self.downstream:
             await self.downstream.close()
+        await self.worker.run(self.runner.close)
 
     async def _loop(self) -> None:
         while True:
@@ -160,7 +178,9 @@ class Stage:
                 except Exception:  # keep serving; the requests of the batch get the error
                     log.exception("step batch failed")
                     rids = [rid for item in batch for rid in item.request_ids]
-                    self.subscribers.fail(rids, grpc.StatusCode.INTERNAL, "step failed on node")
+                    self.subscribers.fail(
+                        rids, grpc.StatusCode.INTERNAL, "step failed on node", self.epoch
+                    )
 
     def _take(self) -> list[_Inbound]:
         """Queued messages to run together, in arrival order (`take_batch`)."""
@@ -173,10 +193,12 @@ class Stage:
 
     async def _process(self, batch: list[_Inbound]) -> None:
         started = time.perf_counter()
-        output, errors = await self.worker.run(self._compute, batch)
+        output, errors, dropped = await self.worker.run(self._compute, batch)
         self.stats.latencies_ms.append((time.perf_counter() - started) * 1000)
         if errors:
-            self.subscribers.publish(results_to_proto([], errors))
+            self.subscribers.publish(results_to_proto([], errors, self.epoch))
+        if dropped:  # the driver drops them on every node
+            self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped, epoch=self.epoch))
         if output is None:
             return
         if self.downstream is None:
@@ -189,12 +211,15 @@ class Stage:
             rids = [entry.request_id for entry in output.entries]
             message = f"next node {self.downstream.address} is unreachable: {error}"
             log.warning(message)
-            self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message)
+            self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message, self.epoch)
 
     def _compute(
         self, batch: list[_Inbound]
-    ) -> tuple[pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]]]:
-        """On the MLX worker: decode, run the shard, encode."""
+    ) -> tuple[
+        pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]
+    ]:
+        """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
+        the shard no longer holds."""
         errors: list[tuple[str, grpc.StatusCode, str]] = []
         steps: list[StepRequest] = []
         hidden: list[mx.array] = []
@@ -213,7 +238,7 @@ class Stage:
             if h is not None:
                 hidden.append(h)
         if not steps:
-            return None, errors
+            return None, errors, []
         x = None
         if hidden:
             x = hidden[0] if len(hidden) == 1 else mx.concatenate(hidden, axis=1)
@@ -221,11 +246,12 @@ class Stage:
         errors += [(rid, status_of(e), str(e)) for rid, e in out.errors.items()]
         for rid in out.errors:  # a failed request is dropped on this node too
             self.runner.release(rid)
+        dropped = out.prefix_dropped
         if not out.steps:
-            return None, errors
+            return None, errors, dropped
         if out.hidden is None:
-            return results_to_proto(out.results, []), errors
-        return step_batch_to_proto(out.steps, out.hidden, 0), errors
+            return results_to_proto(out.results, [], self.epoch), errors, dropped
+        return step_batch_to_proto(out.steps, out.hidden, 0, self.epoch), errors, dropped
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec
