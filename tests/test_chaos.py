@@ -94,7 +94,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
         coordinator = Daemon.start(
             logs / "coordinator.log",
             TOKEN,
-            "coordinator",
+            *("-v", "coordinator"),
             *("--nodes", ",".join(state.address(i) for i in range(4))),
             *("--port", str(free_port()), "--no-mdns", "--layers", LAYERS),
         )
@@ -218,12 +218,13 @@ def test_requests_survive_a_killed_a_hung_and_a_restarted_node(chaos: Chaos) -> 
         await _until(
             lambda: chaos.metric("cluster_replays_total") > replays_after_kill, "more replays"
         )
+        late["queued"] = await late["queued"]
 
     texts, usage = asyncio.run(_run(chaos, bodies, faults))
     for i, body in enumerate(bodies):
         assert texts[i] == expected[i], f"request {i} {body} differs from the undisturbed run"
         assert usage[i] == expected_usage[i]
-    queued = late["queued"].result()
+    queued = late["queued"]
     assert queued.choices[0].text == expected[0]
     assert late["detect_s"] < DETECT_S, f"{late['detect_s']:.1f} s to see a hung node as down"
     assert chaos.metric("cluster_replays_total") >= 2
