@@ -116,12 +116,23 @@ def generate(
 
 def _register_commands() -> None:
     """Commands that live beside their concern: the node daemon, the planner, conversion."""
+    from cluster.hosts.cli import down_command
+    from cluster.hosts.remote import hosts_group
     from cluster.weights.listing import models_command
     from coordinator.cli import coordinator_command, status_command, up_command
     from coordinator.plan_cli import plan
     from node.server import node_command
 
-    commands = (node_command, plan, coordinator_command, up_command, status_command, models_command)
+    commands = (
+        node_command,
+        plan,
+        coordinator_command,
+        up_command,
+        down_command,
+        hosts_group,
+        status_command,
+        models_command,
+    )
     for command in commands:
         main.add_command(command)
     try:

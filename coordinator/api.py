@@ -251,6 +251,15 @@ class _ChatFormat:
         self._token_text = token_text
         self._pending: list[TokenLogprob] = []
 
+    @property
+    def complete(self) -> bool:
+        """The reply has all it may have (one call made, when only one is allowed)."""
+        return self.reply.complete
+
+    def absorb(self, text: str) -> None:
+        """Take in a piece of a reply that is sent whole."""
+        self.reply.feed(text)
+
     def opening(self) -> list[dict[str, Any]]:
         return [chat_chunk(self.ident, {"role": "assistant", "content": ""})]
 
@@ -258,6 +267,8 @@ class _ChatFormat:
         self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
     ) -> list[dict[str, Any]]:
         deltas = self.reply.feed(text)
+        if finish_reason is None and self.reply.complete:
+            finish_reason = "stop"  # the caller stops the generation here
         if finish_reason is not None:
             deltas += self.reply.finish()
         out = [chat_chunk(self.ident, delta) for delta in deltas]
@@ -273,10 +284,7 @@ class _ChatFormat:
     def usage(self, usage: Usage) -> dict[str, Any]:
         return chat_usage_chunk(self.ident, usage)
 
-    def whole(
-        self, text: str, finish_reason: str, usage: Usage, logprobs: _Logprobs = None
-    ) -> dict[str, Any]:
-        self.reply.feed(text)
+    def whole(self, finish_reason: str, usage: Usage, logprobs: _Logprobs = None) -> dict[str, Any]:
         self.reply.finish()
         reason = self.reply.finish_reason(finish_reason)
         shaped = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
@@ -291,6 +299,11 @@ class _TextFormat:
         self._token_text = token_text
         self._alternatives = alternatives
         self._offset = 0  # of the next logprobs' text in the completion
+        self._pieces: list[str] = []
+        self.complete = False  # a text completion ends only when the generation does
+
+    def absorb(self, text: str) -> None:
+        self._pieces.append(text)
 
     def opening(self) -> list[dict[str, Any]]:
         return []
@@ -303,9 +316,8 @@ class _TextFormat:
     def usage(self, usage: Usage) -> dict[str, Any]:
         return text_usage_chunk(self.ident, usage)
 
-    def whole(
-        self, text: str, finish_reason: str, usage: Usage, logprobs: _Logprobs = None
-    ) -> dict[str, Any]:
+    def whole(self, finish_reason: str, usage: Usage, logprobs: _Logprobs = None) -> dict[str, Any]:
+        text = "".join(self._pieces)
         return text_completion(self.ident, text, finish_reason, usage, self._shape(logprobs))
 
     def _shape(self, logprobs: _Logprobs) -> dict[str, Any] | None:
@@ -355,7 +367,7 @@ class _Api:
             await request.read(), model_id=self._model_id, max_context=max_context
         )
         prompt = render_chat_prompt(self._tokenizer, chat)
-        reply = ChatReply(prompt, chat.offered_tools)
+        reply = ChatReply(prompt, chat.offered_tools, single_call=not chat.parallel_tool_calls)
         fmt = _ChatFormat(chat.params.model, reply, self._token_text)
         constraint = None
         if chat.json_schema is not None:
@@ -505,14 +517,15 @@ class _Api:
     async def _send_whole(
         self, request: web.Request, stream: TextStream, fmt: _Format, prompt_tokens: int
     ) -> web.Response:
-        pieces: list[str] = []
         while (text := await stream.next_text()) is not None:
-            pieces.append(text)
+            fmt.absorb(text)
+            if fmt.complete:  # the rest would not be part of the reply: stop generating
+                break
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
         usage = Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)
-        body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage, stream.logprobs)
+        body = fmt.whole(stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
     async def _send_events(
@@ -534,6 +547,8 @@ class _Api:
             while text is not None:
                 for obj in fmt.pieces(text, stream.finish_reason, stream.take_logprobs()):
                     await _send_event(response, obj)
+                if fmt.complete:  # the rest would not be part of the reply: stop generating
+                    break
                 text = await stream.next_text()
             if params.include_usage:
                 await _send_event(

@@ -4,8 +4,9 @@ Text goes through the reasoning split first (`reasoning`), then, in the answer, 
 tool-call parser (`tool_calls`) when the request offered tools. Streamed, each part becomes a
 delta as the `openai` client assembles them: a call opens with its index, id, type and name
 (arguments ""), and its arguments follow in the next delta of the same index. Whole, the parts
-make one message. Blank text right before a call, or after the last one, is the calls' layout, not
-an answer.
+make one message. With `single_call` (`parallel_tool_calls: false`) the reply is `complete`
+after its first call, and the caller stops the generation there. Blank text right before a
+call, or after the last one, is the calls' layout, not an answer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ Delta = dict[str, Any]
 
 
 class ChatReply:
-    def __init__(self, prompt: ChatPrompt, tools: Sequence[dict[str, Any]]) -> None:
+    def __init__(
+        self, prompt: ChatPrompt, tools: Sequence[dict[str, Any]], *, single_call: bool = False
+    ) -> None:
+        self._single_call = single_call
+        self.complete = False  # a single call is made: nothing after it belongs to the reply
         self._reasoning = ReasoningSplitter(starts_in_reasoning=prompt.starts_in_reasoning)
         self._calls = ToolCallParser(tools) if tools else None
         self._unfed = prompt.reply_prefix  # the reply's start, written by the prompt
@@ -33,11 +38,15 @@ class ChatReply:
 
     def feed(self, text: str) -> list[Delta]:
         """The deltas that `text`, the reply's next piece, completes."""
+        if self.complete:
+            return []
         text, self._unfed = self._unfed + text, ""
         return self._deltas(self._reasoning.feed(text), final=False)
 
     def finish(self) -> list[Delta]:
         """The deltas of everything still held back, once the reply has ended."""
+        if self.complete:
+            return []
         deltas = self.feed("")
         deltas += self._deltas(self._reasoning.flush(), final=True)
         return deltas
@@ -71,6 +80,8 @@ class ChatReply:
             if final:
                 parts += self._calls.flush()
         for part in parts:
+            if self.complete:
+                break
             deltas += self._content(part) if isinstance(part, str) else self._call(part)
         if final and self._blank and not self._last_was_call:
             deltas += self._emit(self._blank)
@@ -98,6 +109,7 @@ class ChatReply:
         self._last_was_call = True
         index = len(self.tool_calls)
         self.tool_calls.append(call)
+        self.complete = self._single_call
         opening = {
             "index": index,
             "id": call.id,

@@ -69,6 +69,7 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     json_schema: dict[str, Any] | None = None  # response_format: the reply must fit it
+    parallel_tool_calls: bool = True  # False: the reply ends after its first call
 
     @property
     def offered_tools(self) -> tuple[dict[str, Any], ...]:
@@ -92,11 +93,6 @@ def parse_chat_request(raw: bytes, *, model_id: str, max_context: int) -> ChatRe
     params = common_params(body, model_id=model_id, max_context=max_context)
     params = replace(params, top_logprobs=_logprobs(body))
     json_schema = _response_format(body.get("response_format"))
-    if optional(body, "parallel_tool_calls", bool, True) is False:
-        raise unsupported(
-            "'parallel_tool_calls: false' is not supported: the model may emit several calls",
-            "parallel_tool_calls",
-        )
     tools = _tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"), tools)
     if json_schema is not None and choice.mode != "none":
@@ -104,7 +100,8 @@ def parse_chat_request(raw: bytes, *, model_id: str, max_context: int) -> ChatRe
             "'response_format' and tools cannot be combined: the reply is either JSON or calls",
             "response_format",
         )
-    return ChatRequest(parsed, params, tools, choice, _template_kwargs(body), json_schema)
+    parallel = optional(body, "parallel_tool_calls", bool, True)
+    return ChatRequest(parsed, params, tools, choice, _template_kwargs(body), json_schema, parallel)
 
 
 def _message(message: object, where: str) -> ChatMessage:

@@ -178,7 +178,13 @@ def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
 
 
 @click.command("up")
-@click.option("--local", "count", type=int, required=True, help="Number of local nodes.")
+@click.option("--local", "count", type=int, default=None, help="Number of local nodes.")
+@click.option(
+    "--hosts",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Cluster file (TOML): node services on these hosts over ssh (deploy/README.md).",
+)
 @click.option(
     "--model",
     "model_dir",
@@ -186,10 +192,26 @@ def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
     default=None,
     help="Model directory (default: the bundled tiny Qwen3.5).",
 )
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=int, default=None, help="HTTP port [default: 8000, or the file's].")
 @click.option("--layers", default=None, help="Override placement: 0:3,3:6,6:8.")
-def up_command(count: int, model_dir: Path | None, port: int, layers: str | None) -> None:
-    """N local nodes plus the coordinator on this machine; Ctrl-C stops everything."""
+def up_command(
+    count: int | None,
+    hosts: Path | None,
+    model_dir: Path | None,
+    port: int | None,
+    layers: str | None,
+) -> None:
+    """The coordinator plus N local nodes (Ctrl-C stops everything), or nodes on --hosts."""
+    if (count is None) == (hosts is None):
+        raise click.UsageError("give either --local N or --hosts FILE")
+    if hosts is not None:
+        if model_dir is not None:
+            raise click.UsageError("with --hosts, the model is the cluster file's `model`")
+        from cluster.hosts.cli import up_hosts
+
+        up_hosts(hosts, layers, port)
+        return
+    port = port or 8000
     if count < 1:
         raise click.BadParameter("--local needs at least one node")
     token = os.environ.get("CLUSTER_TOKEN") or secrets.token_hex(16)
@@ -239,6 +261,12 @@ def status_command(url: str, api_key: str | None) -> None:
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             data = json.load(response)
+    except urllib.error.HTTPError as error:
+        if error.code == 401:
+            raise click.ClickException(
+                f"the coordinator at {url} needs its API key (--api-key or ${API_KEY_ENV})"
+            ) from error
+        raise click.ClickException(f"the coordinator at {url} answered {error}") from error
     except (urllib.error.URLError, OSError) as error:
         raise click.ClickException(f"cannot reach the coordinator at {url}: {error}") from error
     stats = data.get("stats", {})

@@ -147,6 +147,11 @@ def common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> C
     max_tokens = _max_tokens(body, max_context)
     stream = optional(body, "stream", bool, False)
     options = optional(body, "stream_options", dict, {})
+    if set(options) - {"include_usage"}:
+        unknown = sorted(set(options) - {"include_usage"})
+        raise invalid(
+            f"'stream_options' takes only 'include_usage', not {unknown}", "stream_options"
+        )
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")

@@ -51,11 +51,15 @@ def device_name() -> str:
     return f"{platform.machine()} CPU"
 
 
+MEMORY_CAP_BYTES: int | None = None  # `cluster node --memory-gb`
+
+
 def total_memory_bytes() -> int:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return 0
+        total = 0
+    return min(total, MEMORY_CAP_BYTES) if MEMORY_CAP_BYTES is not None else total
 
 
 def process_memory_bytes() -> int:
@@ -346,8 +350,20 @@ async def serve(
 @click.command("node")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=50151, show_default=True)
-@click.option("--token", envvar="CLUSTER_TOKEN", required=True, help="Cluster secret.")
+@click.option("--token", envvar="CLUSTER_TOKEN", default=None, help="Cluster secret.")
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Read the cluster secret from this file (mode 0600): kept off the command line.",
+)
 @click.option("--node-id", default=None, help="Name shown in the coordinator.")
+@click.option(
+    "--memory-gb",
+    type=float,
+    default=None,
+    help="Report at most this much memory to the planner [default: the machine's].",
+)
 @click.option(
     "--cache-budget-gb",
     type=float,
@@ -402,8 +418,10 @@ async def serve(
 def node_command(
     host: str,
     port: int,
-    token: str,
+    token: str | None,
+    token_file: Path | None,
     node_id: str | None,
+    memory_gb: float | None,
     cache_budget_gb: float | None,
     prefix_cache_gb: float | None,
     idle_timeout: float,
@@ -414,6 +432,20 @@ def node_command(
     cache_cap_gb: float | None,
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
+    if token_file is not None:
+        from cluster.secret import read_secret
+
+        try:
+            token = read_secret(token_file)
+        except OSError as error:
+            raise click.BadParameter(str(error), param_hint="--token-file") from error
+    if not token:
+        raise click.UsageError("give the cluster secret: --token-file, --token or CLUSTER_TOKEN")
+    if memory_gb is not None and memory_gb <= 0:
+        raise click.BadParameter("--memory-gb must be positive")
+    if memory_gb is not None:
+        global MEMORY_CAP_BYTES
+        MEMORY_CAP_BYTES = int(memory_gb * 2**30)
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
     if prefix_cache_gb is not None and prefix_cache_gb < 0:
         raise click.BadParameter("--prefix-cache-gb must be >= 0")

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import openai
 import pytest
+from click.testing import CliRunner
 
-from coordinator.api_keys import ApiKeys, read_api_keys
+from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
+from coordinator.cli import coordinator_command, status_command
 from tests.fakes import MODEL_ID, FakeEngine, Served, serve
 
 KEYS = ("sk-first-key", "sk-second-key")
@@ -121,3 +123,20 @@ def test_keys_from_a_file_and_the_flag(tmp_path: Path) -> None:
         read_api_keys(None, key_file)
     with pytest.raises(ValueError, match="non-empty"):
         ApiKeys.of(["sk-ok", " sk-padded"])
+
+
+def test_the_command_line_refuses_an_empty_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("\n")
+    result = CliRunner().invoke(
+        coordinator_command, ["--token", "t", "--api-key-file", str(key_file)]
+    )
+    assert result.exit_code == 2 and "holds no API key" in result.output
+
+
+def test_cluster_status_sends_the_key(served: Served) -> None:
+    refused = CliRunner().invoke(status_command, ["--url", served.url], env={API_KEY_ENV: ""})
+    assert refused.exit_code == 1 and "needs its API key" in refused.output
+    result = CliRunner().invoke(status_command, ["--url", served.url, "--api-key", KEYS[0]])
+    assert result.exit_code == 0, result.output
+    assert "mac-0" in result.output

@@ -86,6 +86,7 @@ BAD_CHAT = [
     (_chat(n=2), 400, "n", None),
     (_chat(stream="yes"), 400, "stream", None),
     (_chat(stream_options={"include_usage": "yes"}), 400, "stream_options", None),
+    (_chat(stream_options={"continuous_usage_stats": True}), 400, "stream_options", None),
     (_chat(logprobs="yes"), 400, "logprobs", None),
     (_chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     (_chat(top_logprobs=2), 400, "top_logprobs", None),  # without logprobs: true
@@ -118,7 +119,7 @@ BAD_CHAT = [
     ),
     (_chat(response_format={"type": "json_object", "x": 1}), 400, "response_format", None),
     (_chat(response_format={"type": "yaml"}), 400, "response_format", None),
-    (_chat(parallel_tool_calls=False), 400, "parallel_tool_calls", "unsupported_parameter"),
+    (_chat(parallel_tool_calls="no"), 400, "parallel_tool_calls", None),
     (_chat(messages=[{"role": "user", "content": "x", "audio": {}}]), 400, "messages[0]", None),
     (_chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0]", None),
     (

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.decode.engine import GenerationRequest
 from coordinator.tool_calls import ToolCallParser
-from tests.fakes import EOS, MODEL_ID, FakeEngine, Served, serve, tokenizer
+from tests.fakes import EOS, MODEL_ID, FakeEngine, Served, serve, tokenizer, wait_until
 
 WEATHER = {
     "type": "function",
@@ -178,6 +178,19 @@ def test_tool_choice_required(client: openai.OpenAI, served: Served, script: Scr
         .decode(list(served.engine.requests[-1].prompt))
         .endswith("<|im_start|>assistant\n<tool_call>\n")
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_call_when_parallel_calls_are_off(
+    client: openai.OpenAI, served: Served, script: Script, stream: bool
+) -> None:
+    """The reply ends with its first call, and the generation is stopped there."""
+    script.text = f"{XML_CALL}\n{JSON_CALL}\nand more text " + "x" * 200
+    message, finish = _ask(client, stream, parallel_tool_calls=False)
+    assert (finish, _calls(message)) == ("tool_calls", EXPECTED_CALLS[:1])
+    assert not message.content
+    request_id = served.engine.requests[-1].request_id
+    wait_until(lambda: request_id in served.engine.closed_early, what="the generation stopped")
 
 
 def test_a_call_cut_by_max_tokens_is_text(client: openai.OpenAI, script: Script) -> None:

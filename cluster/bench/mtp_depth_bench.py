@@ -209,21 +209,31 @@ class _Stepper:
 
 
 def measure_steps(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
-    """Median ms of a whole-model step of 1..MAX_POSITIONS positions, interleaved."""
+    """Median ms of a whole-model step of 1..MAX_POSITIONS positions (the tail's verify and
+    drafts included), and of the backbone alone over as many positions, interleaved."""
     steppers = [_Stepper(runner, ids, p) for p in range(1, MAX_POSITIONS + 1)]
-    times: dict[int, list[float]] = {s.positions: [] for s in steppers}
+    hidden = runner.shard.hidden_size
+    x = [mx.random.normal((1, p, hidden)).astype(mx.bfloat16) for p in range(MAX_POSITIONS + 1)]
+    mx.eval(x[1:])
+    kinds = [("step", p) for p in range(1, MAX_POSITIONS + 1)]
+    kinds += [("backbone", p) for p in range(1, MAX_POSITIONS + 1)]
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in kinds}
     order = random.Random(5)
     for i in range(iters + 3):
-        order.shuffle(steppers)
-        for stepper in steppers:
-            elapsed = stepper()
+        order.shuffle(kinds)
+        for kind, p in kinds:
+            elapsed = steppers[p - 1]() if kind == "step" else _time_backbone(runner, x[p], p)
             if i >= 3:
-                times[stepper.positions].append(elapsed)
-    one = median(times[1])
-    return {
-        p: {"ms": median(t) * 1000, "over_1": median(t) / one, "per_row": median(t) / one / p}
-        for p, t in sorted(times.items())
-    }
+                times[(kind, p)].append(elapsed)
+    out = {}
+    for kind in ("step", "backbone"):
+        one = median(times[(kind, 1)])
+        out[kind] = {
+            p: {"ms": median(t) * 1000, "over_1": median(t) / one, "per_row": median(t) / one / p}
+            for (k, p), t in sorted(times.items())
+            if k == kind
+        }
+    return out
 
 
 # ---- part 3: keep the GatedDeltaNet states, or recompute them ----
@@ -333,6 +343,56 @@ def predict_bandwidth_bound(rates: list[float | None]) -> dict:
     }
 
 
+def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
+    """Parts 2 and 3, printed."""
+    steps = measure_steps(runner, ids, iters)
+    print("\npositions  step ms (over 1, per row)     backbone alone ms (over 1, per row)")
+    for p in steps["step"]:
+        a, b = steps["step"][p], steps["backbone"][p]
+        print(
+            f"{p:9d}  {a['ms']:7.2f} ({a['over_1']:5.2f}x, {a['per_row']:4.2f}x)"
+            f"  {b['ms']:7.2f} ({b['over_1']:5.2f}x, {b['per_row']:4.2f}x)"
+        )
+    keep = measure_keep_and_recompute(runner, iters)
+    print("backbone over P positions, snapshots kept at each draft / none:")
+    for p, row in keep["snapshot"].items():
+        print(f"  P={p}: {row['keep_ms']:.2f} / {row['none_ms']:.2f} ms ({row['ratio']:.3f}x)")
+    print("recurrence of every GDN layer over r positions (what a recompute adds):")
+    for r, row in keep["recompute"].items():
+        print(f"  r={r}: {row['ms']:.2f} ms")
+    sb = keep["state_bytes_per_position"]
+    print(
+        f"state kept per draft position: {sb['this_model'] / 1e6:.2f} MB here, "
+        f"{sb['qwen3_5_27b'] / 1e6:.1f} MB at the 27B shape (inputs a recompute would keep: "
+        f"{keep['recompute_input_bytes_per_position_27b'] / 1e6:.2f} MB)"
+    )
+
+    return {"step_by_positions": steps, "keep_or_recompute": keep}
+
+
+def shape_steps(args) -> None:
+    """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
+    from cluster.bench import gpu_bench
+    from cluster.config import load_model_config
+    from cluster.model.loading import load_shard
+
+    started = time.perf_counter()
+    path = args.model or gpu_bench.default_dir(args.shape, args.bits)
+    report: dict = {
+        "machine": {**machine(), "gpu": gpu_bench.device_name()},
+        "args": vars(args) | {"model": str(path)},
+        "checkpoint": gpu_bench.write_checkpoint(path, args.shape, args.bits, 64, 0),
+    }
+    gpu_bench.free_memory()
+    print(f"checkpoint {path}: {report['checkpoint']}", flush=True)
+    prompt = gpu_bench.bench_prompt(load_model_config(path).text.vocab_size, 64)
+    runner = ShardRunner(load_shard(path))
+    report.update(steps_and_keep(runner, prompt, args.step_iters))
+    report["seconds"] = time.perf_counter() - started
+    print(f"\n{report['seconds']:.0f} s")
+    write_json(args.json, report)
+
+
 # ---- the run ----
 
 
@@ -342,12 +402,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--step-iters", type=int, default=30)
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a real model's shape with random weights (cluster.bench.gpu_bench's, e.g. "
+        "qwen3_5_27b): parts 2 and 3 only, acceptance needs trained weights",
+    )
+    parser.add_argument("--bits", type=int, default=4, help="with --shape; 16: bf16")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    started = time.perf_counter()
+    if args.shape:
+        shape_steps(args)
+        return
     model_dir = args.model or default_model()
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode(tokenizer, p) for p in CODE_PROMPTS]
-    started = time.perf_counter()
     report: dict = {"machine": machine(), "args": vars(args) | {"model": str(model_dir)}}
 
     runs = asyncio.run(measure_runs(model_dir, prompts, args.rounds, args.max_tokens))
@@ -369,27 +439,7 @@ def main() -> None:
     from cluster.model.loading import load_shard
 
     runner = ShardRunner(load_shard(model_dir))
-    steps = measure_steps(runner, prompts[0], args.step_iters)
-    report["step_by_positions"] = steps
-    print("\npositions  step ms  over 1 position  per row")
-    for p, row in steps.items():
-        print(f"{p:9d}  {row['ms']:7.2f}  {row['over_1']:6.2f}x  {row['per_row']:6.2f}x")
-
-    keep = measure_keep_and_recompute(runner, args.step_iters)
-    report["keep_or_recompute"] = keep
-    print("\nbackbone over P positions, snapshots kept at each draft / none:")
-    for p, row in keep["snapshot"].items():
-        print(f"  P={p}: {row['keep_ms']:.2f} / {row['none_ms']:.2f} ms ({row['ratio']:.3f}x)")
-    print("recurrence of every GDN layer over r positions (what a recompute adds):")
-    for r, row in keep["recompute"].items():
-        print(f"  r={r}: {row['ms']:.2f} ms")
-    sb = keep["state_bytes_per_position"]
-    print(
-        f"state kept per draft position: {sb['this_model'] / 1e6:.2f} MB here, "
-        f"{sb['qwen3_5_27b'] / 1e6:.1f} MB at the 27B shape (inputs a recompute would keep: "
-        f"{keep['recompute_input_bytes_per_position_27b'] / 1e6:.2f} MB)"
-    )
-
+    report.update(steps_and_keep(runner, prompts[0], args.step_iters))
     prediction = predict_bandwidth_bound(rates)
     report["prediction_bandwidth_bound"] = prediction
     print(
