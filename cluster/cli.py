@@ -107,11 +107,13 @@ def generate(
 
 def _register_commands() -> None:
     """Commands that live beside their concern: the node daemon, the planner, conversion."""
+    from cluster.bench.cli import bench_command
     from coordinator.cli import coordinator_command, status_command, up_command
     from coordinator.plan_cli import plan
     from node.server import node_command
 
-    for command in (node_command, plan, coordinator_command, up_command, status_command):
+    commands = (node_command, plan, coordinator_command, up_command, status_command, bench_command)
+    for command in commands:
         main.add_command(command)
     try:
         from cluster.model.convert import convert_command

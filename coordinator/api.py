@@ -161,6 +161,8 @@ class TextStream:
         self._stops = StopMatcher(stops)
         self._stop_tokens = request.stop_tokens
         self.completion_tokens = 0
+        self.drafted = 0  # MTP drafts of this request so far, and how many were accepted
+        self.accepted = 0
         self.finish_reason: str | None = None
 
     async def next_text(self) -> str | None:
@@ -196,6 +198,7 @@ class TextStream:
             text, _ = self._stops.feed(self._detokenizer.last_segment)
             return text + self._stops.flush()
         self.completion_tokens += len(chunk.tokens)
+        self.drafted, self.accepted = chunk.drafted, chunk.accepted
         for token in chunk.tokens:
             if token not in self._stop_tokens:  # an end-of-turn token is not text
                 self._detokenizer.add_token(token)
@@ -384,9 +387,10 @@ class _Api:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
-        options = RequestOptions(sampling=params.sampling)
+        options = RequestOptions(sampling=params.sampling, mtp=params.mtp)
+        stop_tokens = frozenset() if params.ignore_eos else self._stop_tokens
         try:
-            return GenerationRequest(prompt, max_tokens, options, self._stop_tokens)
+            return GenerationRequest(prompt, max_tokens, options, stop_tokens)
         except RequestError as exc:
             raise ApiError(400, str(exc), code="invalid_request") from exc
 
@@ -420,7 +424,7 @@ class _Api:
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
-        usage = Usage(prompt_tokens, stream.completion_tokens)
+        usage = _usage(prompt_tokens, stream)
         body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage)
         return web.json_response(body)
 
@@ -445,9 +449,7 @@ class _Api:
                     await _send_event(response, obj)
                 text = await stream.next_text()
             if params.include_usage:
-                await _send_event(
-                    response, fmt.usage(Usage(prompt_tokens, stream.completion_tokens))
-                )
+                await _send_event(response, fmt.usage(_usage(prompt_tokens, stream)))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:  # failed after the headers went out: say so in the stream
             self._counters.errors_total += 1
@@ -458,6 +460,10 @@ class _Api:
             return response
         await response.write_eof()
         return response
+
+
+def _usage(prompt_tokens: int, stream: TextStream) -> Usage:
+    return Usage(prompt_tokens, stream.completion_tokens, stream.drafted, stream.accepted)
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -64,6 +64,8 @@ class CommonParams:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens, stop tokens or not
+    mtp: bool = True  # this cluster's extension: MTP drafting for this request
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +177,14 @@ def _common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> 
     if not isinstance(include_usage, bool):
         raise _invalid("'stream_options.include_usage' must be a boolean", "stream_options")
     sampling = _sampling(body)
-    return CommonParams(model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage)
+    ignore_eos = _optional(body, "ignore_eos", bool, False)
+    if ignore_eos and max_tokens is None:
+        raise _invalid("'ignore_eos' needs 'max_tokens'", "ignore_eos")
+    mtp = _optional(body, "mtp", bool, True)
+    stop = _stop(body.get("stop"))
+    return CommonParams(
+        model, max_tokens, sampling, stop, stream, include_usage, ignore_eos=ignore_eos, mtp=mtp
+    )
 
 
 def _model(model: object, model_id: str) -> str:
@@ -287,15 +296,25 @@ def _unsupported(message: str, param: str) -> ApiError:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts; MTP drafts are OpenAI's prediction tokens (accepted or rejected)."""
+
     prompt_tokens: int
     completion_tokens: int
+    drafted: int = 0
+    accepted: int = 0
 
-    def body(self) -> dict[str, int]:
-        return {
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.drafted:
+            body["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted,
+                "rejected_prediction_tokens": self.drafted - self.accepted,
+            }
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
+from node.hardware import this_machine
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -197,6 +198,7 @@ class NodeService(pb_grpc.NodeServicer):
         return self.stage
 
     def _info(self) -> pb.NodeInfo:
+        hardware = this_machine()
         info = pb.NodeInfo(
             node_id=self.node_id,
             version=__version__,
@@ -205,6 +207,9 @@ class NodeService(pb_grpc.NodeServicer):
             memory_used_bytes=process_memory_bytes(),
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
+            chip=hardware.chip,
+            os=hardware.os,
+            cpu_count=hardware.cpu_count,
         )
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
@@ -225,6 +230,10 @@ class NodeService(pb_grpc.NodeServicer):
             info.active_requests = len(runner.requests)
             info.steps_total = stats.messages_in
             info.step_latency_ms = stats.mean_latency_ms
+            info.busy_seconds_total = stats.busy_s_total
+            info.batches_total = stats.batches_total
+            if self.stage.hop_probe is not None:
+                info.next_hop_rtt_ms = self.stage.hop_probe.mean_rtt_ms
         return info
 
     async def _sweep_idle(self) -> None:

@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,12 @@ class NodeInfo(_message.Message):
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -68,7 +74,13 @@ class NodeInfo(_message.Message):
     steps_total: int
     step_latency_ms: float
     uptime_s: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    busy_seconds_total: float
+    batches_total: int
+    next_hop_rtt_ms: float
+    chip: str
+    os: str
+    cpu_count: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
     __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id")
