@@ -19,12 +19,17 @@ from aiohttp import web
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
+from cluster.decode.prefix_index import PrefixIndex
+from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
+from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.progress import transfer_fraction
+from coordinator.weights_host import WeightsHost
 from node.auth import TLSConfig
 from node.client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 RATE_WINDOW_S = 10.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class MeteredEngine:
@@ -85,8 +91,12 @@ class Coordinator:
         concurrency: int = 8,
         node_model_dir: str | None = None,
         tls: TLSConfig | None = None,
+        serve_weights: bool = True,
+        weights_port: int = 0,
+        prefix_cache: bool = True,
     ):
         self.model_dir = model_dir
+        self.prefix_cache = prefix_cache
         self.tls = tls
         self.directory = directory
         self.token = token
@@ -103,10 +113,16 @@ class Coordinator:
         self._heard: dict[str, _Heard] = {}
         self._probes: dict[str, NodeClient] = {}
         self._tasks: list[asyncio.Task] = []
+        self.weights = (
+            WeightsHost(model_dir, token, tls, port=weights_port) if serve_weights else None
+        )
 
     # -- bring-up ---------------------------------------------------------------------------
 
     async def start(self, *, wait_for_nodes_s: float = 30.0) -> None:
+        if self.weights is not None:
+            await self.weights.start()
+            self._tasks.append(asyncio.create_task(self.weights.show_progress()))
         await self.directory.start()
         self._tasks.append(asyncio.create_task(self._poll_nodes()))
         deadline = time.monotonic() + wait_for_nodes_s
@@ -130,6 +146,8 @@ class Coordinator:
         for probe in self._probes.values():
             await probe.close()
         await self.directory.stop()
+        if self.weights is not None:
+            self.weights.stop()
 
     async def _capacities(self) -> list[NodeCapacity]:
         capacities = []
@@ -164,10 +182,12 @@ class Coordinator:
             ranges=ranges,
             node_model_dir=self.node_model_dir,
             tls=self.tls,
+            **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         if self.engine is None:
-            self.engine = MeteredEngine(GenerationEngine(pipeline))
+            index = PrefixIndex() if self.prefix_cache else None
+            self.engine = MeteredEngine(GenerationEngine(pipeline, prefix_index=index))
         else:
             self.engine.engine.pipeline = pipeline
         if old is not None:
@@ -243,6 +263,7 @@ class Coordinator:
             memory_total_bytes=info.memory_total_bytes,
             step_latency_ms=info.step_latency_ms,
             device=info.device,
+            weights_fraction=transfer_fraction(info),
             steps_total=info.steps_total,
             batches_total=info.batches_total,
             busy_seconds_total=info.busy_seconds_total,
@@ -256,6 +277,7 @@ class Coordinator:
     def stats(self) -> ClusterStats:
         engine = self.engine
         drafted = engine.drafted if engine else 0
+        index = engine.engine.prefix_index if engine else None
         return ClusterStats(
             tokens_per_s=engine.tokens_per_s() if engine else 0.0,
             acceptance_rate=(engine.accepted / drafted) if drafted else 0.0,
@@ -263,6 +285,9 @@ class Coordinator:
             requests_total=self.counters.requests_total,
             errors_total=self.counters.errors_total,
             model_id=self.model_dir.name,
+            prefix_cache_hits=index.stats.hits if index else 0,
+            prefix_cache_saved_tokens=index.stats.cached_tokens if index else 0,
+            prefix_cache_entries=len(index) if index else 0,
         )
 
 
@@ -281,8 +306,15 @@ async def run_coordinator(
     announce: bool = True,
     started: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    api_keys: ApiKeys | None = None,
+    mtp_depth: MtpDepth = 1,
+    weights_port: int = 0,
+    prefix_cache: bool = True,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
+    api_keys = api_keys or ApiKeys()
+    if not api_keys.enabled and host not in LOOPBACK_HOSTS:
+        log.warning("serving on %s without an API key: anyone who reaches it may use it", host)
     directory = NodeDirectory(nodes, browse=browse)
     coordinator = Coordinator(
         model_dir,
@@ -292,6 +324,8 @@ async def run_coordinator(
         use_all=use_all,
         concurrency=max_running,
         tls=tls,
+        weights_port=weights_port,
+        prefix_cache=prefix_cache,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()
@@ -304,6 +338,8 @@ async def run_coordinator(
             max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
         ),
         counters=coordinator.counters,
+        api_keys=api_keys,
+        mtp_depth=mtp_depth,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

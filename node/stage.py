@@ -179,13 +179,15 @@ class Stage:
 
     async def _process(self, batch: list[_Inbound]) -> None:
         started = time.perf_counter()
-        output, errors = await self.worker.run(self._compute, batch)
+        output, errors, dropped = await self.worker.run(self._compute, batch)
         elapsed = time.perf_counter() - started
         self.stats.latencies_ms.append(elapsed * 1000)
         self.stats.busy_s_total += elapsed
         self.stats.batches_total += 1
         if errors:
             self.subscribers.publish(results_to_proto([], errors))
+        if dropped:  # the driver drops them on every node
+            self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped))
         if output is None:
             return
         if self.downstream is None:
@@ -202,8 +204,11 @@ class Stage:
 
     def _compute(
         self, batch: list[_Inbound]
-    ) -> tuple[pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]]]:
-        """On the MLX worker: decode, run the shard, encode."""
+    ) -> tuple[
+        pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]
+    ]:
+        """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
+        the shard no longer holds."""
         errors: list[tuple[str, grpc.StatusCode, str]] = []
         steps: list[StepRequest] = []
         hidden: list[mx.array] = []
@@ -222,7 +227,7 @@ class Stage:
             if h is not None:
                 hidden.append(h)
         if not steps:
-            return None, errors
+            return None, errors, []
         x = None
         if hidden:
             x = hidden[0] if len(hidden) == 1 else mx.concatenate(hidden, axis=1)
@@ -230,11 +235,12 @@ class Stage:
         errors += [(rid, status_of(e), str(e)) for rid, e in out.errors.items()]
         for rid in out.errors:  # a failed request is dropped on this node too
             self.runner.release(rid)
+        dropped = out.prefix_dropped
         if not out.steps:
-            return None, errors
+            return None, errors, dropped
         if out.hidden is None:
-            return results_to_proto(out.results, []), errors
-        return step_batch_to_proto(out.steps, out.hidden, 0), errors
+            return results_to_proto(out.results, []), errors, dropped
+        return step_batch_to_proto(out.steps, out.hidden, 0), errors, dropped
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec
