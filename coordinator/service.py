@@ -79,6 +79,7 @@ class MeteredEngine:
 class _Heard:
     info: pb.NodeInfo | None = None
     at: float = 0.0  # monotonic time of the last answer
+    rtt_ms: float = 0.0  # how long that answer took
 
 
 class Coordinator:
@@ -217,8 +218,10 @@ class Coordinator:
             client = self._probes[node.address] = NodeClient(node.address, self.token, self.tls)
         heard = self._heard.setdefault(node.address, _Heard())
         try:
+            asked = time.monotonic()
             heard.info = await client.info(timeout=DOWN_AFTER_S - HEARTBEAT_S)
             heard.at = time.monotonic()
+            heard.rtt_ms = (heard.at - asked) * 1000
         except Exception as error:  # any failure means: not up now
             log.debug("node %s: %s", node.address, error)
             return None
@@ -265,6 +268,14 @@ class Coordinator:
             step_latency_ms=info.step_latency_ms,
             device=info.device,
             weights_fraction=transfer_fraction(info),
+            steps_total=info.steps_total,
+            batches_total=info.batches_total,
+            busy_seconds_total=info.busy_seconds_total,
+            rtt_ms=heard.rtt_ms,
+            next_hop_rtt_ms=info.next_hop_rtt_ms,
+            chip=info.chip,
+            os=info.os,
+            cpu_count=info.cpu_count,
         )
 
     def stats(self) -> ClusterStats:
