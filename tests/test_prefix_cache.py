@@ -258,9 +258,13 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             metrics = await (await client.get("/metrics")).text()
             assert "cluster_prefix_cache_hits_total 1\n" in metrics
             assert f"cluster_prefix_cache_saved_tokens_total {cached}\n" in metrics
-            stats = (await (await client.get("/api/cluster")).json())["stats"]
-            assert stats["prefix_cache_hits"] == 1
-            assert stats["prefix_cache_saved_tokens"] == cached
+            document = await (await client.get("/api/cluster")).json()
+            assert document["stats"]["prefix_cache_hits"] == 1
+            assert document["stats"]["prefix_cache_saved_tokens"] == cached
+            # Each node's share: what it holds (the coordinator heard it on its last poll).
+            infos = await node_infos(trio.addresses)
+            assert all(info.prefix_snapshots == len(index) for info in infos)
+            assert 'cluster_node_prefix_snapshot_bytes{node="' in metrics
         finally:
             await client.close()
             await coordinator.close()
