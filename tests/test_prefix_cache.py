@@ -284,13 +284,21 @@ def test_in_process_shards_give_the_cacheless_tokens(model_dir, tokenizer, arun)
         plain = await open_local_engine(model_dir, ranges=ranges, prefill_chunk=16)
         try:
             prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
-            first = await cached.engine.generate(GenerationRequest(prompt, ANSWER_TOKENS))
+            options = RequestOptions(logprobs=True, mtp_depth=2)
+            first = await cached.engine.generate(GenerationRequest(prompt, ANSWER_TOKENS, options))
             # The second turn and a sibling of the first (from the prompt's own snapshot).
             for follow in (_turns(tokenizer, first, prompt), (*prompt, 13)):
-                request = GenerationRequest(follow, ANSWER_TOKENS)
-                again = await cached.engine.generate(request)
-                reference = await plain.engine.generate(request)
+                request = GenerationRequest(follow, ANSWER_TOKENS, options)
+                cached_logprobs: list[float] = []
+                plain_logprobs: list[float] = []
+                again = await cached.engine.generate(
+                    request, lambda chunk, out=cached_logprobs: out.extend(chunk.logprobs)
+                )
+                reference = await plain.engine.generate(
+                    request, lambda chunk, out=plain_logprobs: out.extend(chunk.logprobs)
+                )
                 assert again.tokens == reference.tokens
+                assert cached_logprobs == plain_logprobs  # to the bit
                 assert again.cached_tokens >= len(prompt)
         finally:
             cached.close()
