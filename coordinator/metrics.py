@@ -31,6 +31,16 @@ class NodeStatus:
     step_latency_ms: float
     device: str
     weights_fraction: float | None = None  # a weights transfer to the node in progress
+    # What `cluster bench` reads: the node's cumulative counters, the round trips of the
+    # coordinator's heartbeat to it and of its own pings to its successor, its machine.
+    steps_total: int = 0
+    batches_total: int = 0
+    busy_seconds_total: float = 0.0
+    rtt_ms: float = 0.0
+    next_hop_rtt_ms: float = 0.0
+    chip: str = ""
+    os: str = ""
+    cpu_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,6 +236,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             pipeline = coordinator.pipeline
             first = await (await client.post("/v1/chat/completions", json=body)).json()
             assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first
+            # The ends of the prompt and of the answer, indexed before the response ended.
+            index = coordinator.engine.engine.prefix_index
+            assert len(index) == 2
             answer = first["choices"][0]["message"]["content"]
             messages += [
                 {"role": "assistant", "content": answer},
@@ -245,7 +248,6 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             second = await (await client.post("/v1/chat/completions", json=body)).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
             # (A re-placement in between, after a missed heartbeat, would start a new index.)
-            index = coordinator.engine.engine.prefix_index
             assert coordinator.pipeline is pipeline, "the model was re-placed between the turns"
             # At least the first prompt, which every node kept at its end.
             assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"], (
