@@ -116,6 +116,7 @@ def generate(
 
 def _register_commands() -> None:
     """Commands that live beside their concern: the node daemon, the planner, conversion."""
+    from cluster.bench.cli import bench_command
     from cluster.hosts.cli import down_command
     from cluster.hosts.remote import hosts_group
     from cluster.weights.listing import models_command
@@ -132,6 +133,7 @@ def _register_commands() -> None:
         hosts_group,
         status_command,
         models_command,
+        bench_command,
     )
     for command in commands:
         main.add_command(command)

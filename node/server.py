@@ -32,6 +32,7 @@ from cluster.model.shard import ShardSpec
 from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
+from node.hardware import this_machine
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
@@ -255,6 +256,7 @@ class NodeService(pb_grpc.NodeServicer):
         return self.stage
 
     def _info(self) -> pb.NodeInfo:
+        hardware = this_machine()
         info = pb.NodeInfo(
             node_id=self.node_id,
             version=__version__,
@@ -266,6 +268,9 @@ class NodeService(pb_grpc.NodeServicer):
             mlx_peak_bytes=mx.get_peak_memory(),
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
+            chip=hardware.chip,
+            os=hardware.os,
+            cpu_count=hardware.cpu_count,
         )
         self.weights.fill_info(info)
         if self.stage is not None and self.shard_request is not None:
@@ -296,6 +301,10 @@ class NodeService(pb_grpc.NodeServicer):
             info.prefix_snapshot_bytes = runner.snapshots.nbytes
             info.prefix_budget_bytes = runner.snapshots.budget_bytes
             info.prefix_resumes = runner.snapshots.resumes
+            info.busy_seconds_total = stats.busy_s_total
+            info.batches_total = stats.batches_total
+            if self.stage.hop_probe is not None:
+                info.next_hop_rtt_ms = self.stage.hop_probe.mean_rtt_ms
         return info
 
     async def _sweep_idle(self) -> None:

@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,12 @@ class NodeInfo(_message.Message):
     PREFIX_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_RESUMES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -91,12 +97,18 @@ class NodeInfo(_message.Message):
     prefix_snapshot_bytes: int
     prefix_budget_bytes: int
     prefix_resumes: int
+    busy_seconds_total: float
+    batches_total: int
+    next_hop_rtt_ms: float
+    chip: str
+    os: str
+    cpu_count: int
     epoch: int
     mlx_active_bytes: int
     mlx_cache_bytes: int
     mlx_peak_bytes: int
     mlx_cache_limit_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
     __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes", "epoch")

@@ -236,6 +236,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             pipeline = coordinator.pipeline
             first = await (await client.post("/v1/chat/completions", json=body)).json()
             assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first
+            # The ends of the prompt and of the answer, indexed before the response ended.
+            index = coordinator.engine.engine.prefix_index
+            assert len(index) == 2
             answer = first["choices"][0]["message"]["content"]
             messages += [
                 {"role": "assistant", "content": answer},
@@ -245,7 +248,6 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             second = await (await client.post("/v1/chat/completions", json=body)).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
             # (A re-placement in between, after a missed heartbeat, would start a new index.)
-            index = coordinator.engine.engine.prefix_index
             assert coordinator.pipeline is pipeline, "the model was re-placed between the turns"
             # At least the first prompt, which every node kept at its end.
             assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"], (
@@ -256,9 +258,13 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             metrics = await (await client.get("/metrics")).text()
             assert "cluster_prefix_cache_hits_total 1\n" in metrics
             assert f"cluster_prefix_cache_saved_tokens_total {cached}\n" in metrics
-            stats = (await (await client.get("/api/cluster")).json())["stats"]
-            assert stats["prefix_cache_hits"] == 1
-            assert stats["prefix_cache_saved_tokens"] == cached
+            document = await (await client.get("/api/cluster")).json()
+            assert document["stats"]["prefix_cache_hits"] == 1
+            assert document["stats"]["prefix_cache_saved_tokens"] == cached
+            # Each node's share: what it holds (the coordinator heard it on its last poll).
+            infos = await node_infos(trio.addresses)
+            assert all(info.prefix_snapshots == len(index) for info in infos)
+            assert 'cluster_node_prefix_snapshot_bytes{node="' in metrics
         finally:
             await client.close()
             await coordinator.close()
@@ -278,13 +284,21 @@ def test_in_process_shards_give_the_cacheless_tokens(model_dir, tokenizer, arun)
         plain = await open_local_engine(model_dir, ranges=ranges, prefill_chunk=16)
         try:
             prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
-            first = await cached.engine.generate(GenerationRequest(prompt, ANSWER_TOKENS))
+            options = RequestOptions(logprobs=True, mtp_depth=2)
+            first = await cached.engine.generate(GenerationRequest(prompt, ANSWER_TOKENS, options))
             # The second turn and a sibling of the first (from the prompt's own snapshot).
             for follow in (_turns(tokenizer, first, prompt), (*prompt, 13)):
-                request = GenerationRequest(follow, ANSWER_TOKENS)
-                again = await cached.engine.generate(request)
-                reference = await plain.engine.generate(request)
+                request = GenerationRequest(follow, ANSWER_TOKENS, options)
+                cached_logprobs: list[float] = []
+                plain_logprobs: list[float] = []
+                again = await cached.engine.generate(
+                    request, lambda chunk, out=cached_logprobs: out.extend(chunk.logprobs)
+                )
+                reference = await plain.engine.generate(
+                    request, lambda chunk, out=plain_logprobs: out.extend(chunk.logprobs)
+                )
                 assert again.tokens == reference.tokens
+                assert cached_logprobs == plain_logprobs  # to the bit
                 assert again.cached_tokens >= len(prompt)
         finally:
             cached.close()
