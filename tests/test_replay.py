@@ -18,7 +18,7 @@ from cluster.decode.engine import GenerationEngine, GenerationRequest, ResumePoi
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams, StepRequest
 
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 PREFILL_CHUNK = 8  # small, so that a replay's prefill spans several chunks
 
 CASES = {
@@ -78,7 +78,7 @@ def test_replay_continues_with_the_undisturbed_tokens(engines, tokenizer, case) 
     async def go():
         undisturbed = (await cut_engine.generate(request)).tokens
         assert len(undisturbed) == MAX_TOKENS
-        for chunks in (1, 2, 5, 9):
+        for chunks in (1, 6):
             point = await _cut_after(cut_engine, request, chunks)
             if request.options.mtp:
                 assert point.drafts
