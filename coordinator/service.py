@@ -276,6 +276,9 @@ class Coordinator:
             chip=info.chip,
             os=info.os,
             cpu_count=info.cpu_count,
+            prefix_snapshots=info.prefix_snapshots,
+            prefix_snapshot_bytes=info.prefix_snapshot_bytes,
+            prefix_budget_bytes=info.prefix_budget_bytes,
         )
 
     def stats(self) -> ClusterStats:
