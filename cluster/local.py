@@ -73,7 +73,9 @@ async def open_local_engine(
     worker = MLXWorker()
     runners = []
     for spec in specs:
-        shard = await worker.run(load_shard, model_dir, spec, dtype=dtype, mtp=mtp)
+        shard = await worker.run(
+            load_shard, model_dir, spec, dtype=dtype, mtp=mtp, for_decoding=True
+        )
         runners.append(ShardRunner(shard))
     pipeline = LocalPipeline(runners, worker, max_context=config.max_context)
     return LocalEngine(

@@ -111,7 +111,7 @@ class NodeService(pb_grpc.NodeServicer):
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
                 shard = await self.worker.run(
-                    load_shard, Path(request.model_dir), spec, dtype=dtype
+                    load_shard, Path(request.model_dir), spec, dtype=dtype, for_decoding=True
                 )
             except (ModelDirError, ValueError, OSError, AttributeError) as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load shard: {error}")
