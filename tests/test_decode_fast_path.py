@@ -55,6 +55,7 @@ def test_fused_compiled_padded_logits_equal_plain(model_dir, tokenizer, fast_pat
     plain = load_shard(model_dir)
     if bits is None:
         fast = load_shard(model_dir, for_decoding=True)
+        row_padding.install(fast)  # bf16: nothing to pad, which must change nothing
     else:  # the bundled model is bf16: quantize both alike, then ready one for decoding
         fast = load_shard(model_dir)
         for shard in (plain, fast):
@@ -82,6 +83,7 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
 
     # A rejected draft on the compiled path leaves the caches as if never seen.
     shard = load_shard(model_dir, for_decoding=True)
+    row_padding.install(shard)
     prompt = tuple(prompts[0])
     drafted, clean = ShardRunner(shard), ShardRunner(shard)
     first = _prefill(drafted, "r", prompt)

@@ -634,6 +634,8 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             if "bandwidth" not in single:
                 bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
+        if pad_on:
+            await worker.run(row_padding.install, shard)
         await worker.run(_set_variant, compile_on, pad_on)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}

@@ -7,10 +7,11 @@ step is one call that replays a traced graph in C++ with its elementwise chains 
 few kernels. A compiled function is traced once per input shape, so only steps of a few
 positions (decode, verify) take this path; a prefill chunk runs the plain ops.
 
-Whether it is on is decided per backend (`enabled`): on for CUDA, where the 27B-shape step
-measured faster with it (BENCHMARKS.md); off on Metal (the fused Metal kernel already does
-the recurrence in one launch) and on the CPU (nothing measured there pays for its
-compiler runs). `set_enabled` overrides the choice (the tests, the benchmarks' A/B runs).
+Whether it is on is decided per backend (`enabled`): on for CUDA, where it took the 27B-shape
+backbone's one-token graph build from 17.2 to 15.1 ms (BENCHMARKS.md, issue 10); off on Metal
+(mlx-lm's fused Metal kernel already runs the recurrence in one launch) and on the CPU (not
+measured to pay there; its compiler runs cost seconds). `set_enabled` overrides the choice
+(the tests, the benchmark's A/B runs).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
-from cluster.model import fused, row_padding
+from cluster.model import fused
 from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,7 @@ def load_shard(
 
     `mtp=False` leaves the MTP head out. `for_decoding` readies a shard that runs steps (nodes,
     the local engine), not one whose parameters are written back out: the projections that
-    share an input become one matmul (`cluster.model.fused`) and quantized projections pad a
-    few rows where the backend runs that cheaper (`cluster.model.row_padding`).
+    share an input become one matmul (`cluster.model.fused`).
     A config that declares MTP on a checkpoint without any `mtp.*` tensor (mlx-lm's own
     conversion drops them) loads without it, with a warning.
     """
@@ -122,7 +121,6 @@ def load_shard(
     shard.load_weights(list(weights.items()), strict=True)
     if for_decoding:  # on the lazy weights: the parts are read straight into the fused arrays
         fused.fuse_projections(shard)
-        row_padding.install(shard)
     shard.eval()
     mx.eval(shard.parameters())
     return shard

@@ -1,15 +1,17 @@
-"""Quantized matmuls over a few rows, padded to the row count the backend runs cheapest.
+"""Quantized matmuls over a few rows, padded to the row count MLX CUDA runs cheapest.
 
-MLX CUDA's 4-bit quantized matmul pays per row from 2 to 7 rows (a verify step `[y, d]`
-costs almost two one-row steps in its projections) and takes a GEMM path from 8 rows on that
-costs what one row costs (17408x5120: 0.079 ms at 1 row, 0.138 at 2, 0.058 at 8; see
-/work/shared/MEASUREMENTS.md and BENCHMARKS.md). So on CUDA a quantized projection of 2 to 7
-rows runs on 8: the real rows padded with zero rows, whose outputs are dropped. Only the
-projections and MLPs see the padding; attention and the recurrences keep the real length.
+MLX CUDA's 4-bit quantized matmul pays per row from 2 to 7 rows and takes a GEMM path from 8
+rows on that costs what one row costs (17408x5120: 0.079 ms at 1 row, 0.138 at 2, 0.058 at 8;
+/work/shared/MEASUREMENTS.md). So a verify step `[y, d]` could run its projections on 8 rows:
+the real rows padded with zero rows whose outputs are dropped (attention and the recurrences
+keep the real length). Each row of a matmul depends on its own input row alone, so padding
+never changes what the real rows compute.
 
-Each row of a matmul is computed from its own input row alone, so padding never changes what
-the real rows depend on. Where the kernels differ (Metal, the CPU) a padded row costs as much
-as a real one: padding is on for CUDA only, and `set_enabled` overrides that (tests, A/B runs).
+Measured on the whole step it does not pay (BENCHMARKS.md, issue 10: the 27B-shape verify
+step took 44.6 ms padded against 37.6 ms unpadded on an H200): the step is bound by the host,
+and the padding's own ops (zeros, concatenate, slice: three more graph nodes and launches per
+projection) cost more host time than the GEMM path saves on the device. So it is off on every
+backend; `install` plus `set_enabled(True)` turn it on (the benchmark's A/B run, the tests).
 """
 
 from __future__ import annotations
@@ -25,15 +27,13 @@ _override: bool | None = None
 
 
 def set_enabled(on: bool | None) -> None:
-    """Force padding on or off; None restores the per-backend default."""
+    """Turn padding on or off for the installed projections (None: the default, off)."""
     global _override
     _override = on
 
 
 def enabled() -> bool:
-    if _override is not None:
-        return _override
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return bool(_override)
 
 
 class RowPaddedQuantizedLinear(nn.QuantizedLinear):
