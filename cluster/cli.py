@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from cluster.config import bundled_model_path
-from cluster.messages import RequestError, RequestOptions, SamplingParams
+from cluster.messages import RequestError, RequestOptions, SamplingParams, parse_mtp_depth
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ def main(verbose: int) -> None:
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--no-mtp", is_flag=True, help="Decode without the MTP head.")
+@click.option(
+    "--mtp-depth",
+    default="1",
+    show_default=True,
+    help="MTP drafts per step: 0-8, or auto (the tail picks the depth that pays).",
+)
 @click.option("--layers", default=None, help="Layer ranges per shard, e.g. 0:3,3:8.")
 @click.option("--nodes", default=None, help="Run on node daemons: HOST:PORT,HOST:PORT,...")
 @click.option("--token", envvar="CLUSTER_TOKEN", default=None, help="Cluster secret (--nodes).")
@@ -63,6 +69,7 @@ def generate(
     min_p: float,
     seed: int | None,
     no_mtp: bool,
+    mtp_depth: str,
     layers: str | None,
     nodes: str | None,
     token: str | None,
@@ -75,7 +82,9 @@ def generate(
     model_dir = model_dir or bundled_model_path()
     try:
         options = RequestOptions(
-            sampling=SamplingParams(temp, top_p, top_k, min_p, seed), mtp=not no_mtp
+            sampling=SamplingParams(temp, top_p, top_k, min_p, seed),
+            mtp=not no_mtp,
+            mtp_depth=parse_mtp_depth(mtp_depth),
         )
         result = asyncio.run(
             run_generate(
@@ -107,11 +116,26 @@ def generate(
 
 def _register_commands() -> None:
     """Commands that live beside their concern: the node daemon, the planner, conversion."""
+    from cluster.bench.cli import bench_command
+    from cluster.hosts.cli import down_command
+    from cluster.hosts.remote import hosts_group
+    from cluster.weights.listing import models_command
     from coordinator.cli import coordinator_command, status_command, up_command
     from coordinator.plan_cli import plan
     from node.server import node_command
 
-    for command in (node_command, plan, coordinator_command, up_command, status_command):
+    commands = (
+        node_command,
+        plan,
+        coordinator_command,
+        up_command,
+        down_command,
+        hosts_group,
+        status_command,
+        models_command,
+        bench_command,
+    )
+    for command in commands:
         main.add_command(command)
     try:
         from cluster.model.convert import convert_command

@@ -11,6 +11,7 @@ import mlx.core as mx
 from cluster.config import ModelConfig, load_model_config
 from cluster.decode.engine import GenerationEngine
 from cluster.decode.pipeline import LocalPipeline
+from cluster.decode.prefix_index import PrefixIndex
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.model.loading import load_shard
@@ -65,7 +66,11 @@ async def open_local_engine(
     mtp: bool = True,
     dtype: mx.Dtype | None = None,
     prefill_chunk: int = 512,
+    prefix_index: PrefixIndex | None = None,
+    prefix_budget_bytes: int | None = None,
 ) -> LocalEngine:
+    """With `prefix_index`, the engine keeps a conversation cache (each shard's snapshots
+    within `prefix_budget_bytes`)."""
     config = load_model_config(model_dir)
     specs = shard_specs(ranges or [(0, config.num_layers)])
     if specs[-1].end != config.num_layers or specs[0].start != 0:
@@ -76,8 +81,11 @@ async def open_local_engine(
         shard = await worker.run(
             load_shard, model_dir, spec, dtype=dtype, mtp=mtp, for_decoding=True
         )
-        runners.append(ShardRunner(shard))
+        runners.append(ShardRunner(shard, prefix_budget_bytes=prefix_budget_bytes))
     pipeline = LocalPipeline(runners, worker, max_context=config.max_context)
     return LocalEngine(
-        GenerationEngine(pipeline, prefill_chunk=prefill_chunk), config, worker, runners
+        GenerationEngine(pipeline, prefill_chunk=prefill_chunk, prefix_index=prefix_index),
+        config,
+        worker,
+        runners,
     )

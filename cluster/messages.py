@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
+
+MAX_MTP_DEPTH = 8  # drafts per step; a GPU step of up to 8 rows costs about what one costs
+MtpDepth = int | Literal["auto"]
+
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(ValueError):
@@ -54,6 +60,30 @@ class RequestOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mtp: bool = True
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: how many of the likeliest tokens come with each
+    # Drafts per step when `mtp`: a fixed count (0 feeds the MTP head but never drafts), or
+    # "auto": the tail picks the count that pays best (cluster.decode.mtp_depth).
+    mtp_depth: MtpDepth = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs")
+        depth = self.mtp_depth
+        if depth != "auto" and not (
+            isinstance(depth, int) and not isinstance(depth, bool) and 0 <= depth <= MAX_MTP_DEPTH
+        ):
+            raise RequestError(f"mtp_depth must be 0..{MAX_MTP_DEPTH} or 'auto', got {depth!r}")
+
+
+def parse_mtp_depth(text: str) -> MtpDepth:
+    """'auto' or a count, as the command line and the HTTP API take it."""
+    if text == "auto":
+        return "auto"
+    if not text.isdigit():
+        raise RequestError(f"mtp_depth must be 0..{MAX_MTP_DEPTH} or 'auto', got {text!r}")
+    return RequestOptions(mtp_depth=int(text)).mtp_depth  # validated there
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +104,14 @@ class StepRequest:
     rollback: int = 0
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
     options: RequestOptions | None = None  # set on the first step of a request only
+    # A constrained request's allowed tokens (cluster.decode.token_mask), one bitmask per
+    # sampled position: after the confirmed tokens, then after each draft.
+    token_masks: tuple[bytes, ...] = ()
+    # The conversation cache (cluster.decode.snapshots): open the request from the prefix
+    # snapshot of this id, which holds the `position` positions before this step; keep a
+    # snapshot of this id of the caches after this step. 0: none.
+    prefix_from: int = 0
+    prefix_save: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -82,6 +120,14 @@ class StepRequest:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):
             raise RequestError("draft_len must leave at least one confirmed token")
+        if self.token_masks and (not self.sample or len(self.token_masks) != self.draft_len + 1):
+            raise RequestError("token_masks needs one mask per sampled position")
+        if self.prefix_from < 0 or self.prefix_save < 0:
+            raise RequestError("prefix snapshot ids must be >= 0")
+        if self.prefix_from and self.position == 0:
+            raise RequestError("a step that starts from a prefix snapshot has position > 0")
+        if self.prefix_save and self.draft_len:
+            raise RequestError("a prefix snapshot is taken after a step without drafts")
 
     @property
     def n_confirmed(self) -> int:
@@ -95,16 +141,19 @@ class StepResult:
     `tokens` are the newly emitted tokens (accepted drafts, then the correction or bonus
     token); empty for an intermediate prefill chunk. `keep` is how many of the step's positions
     stay in the caches; the engine sends `len(step.tokens) - keep` as the next step's rollback.
-    `draft` is the MTP head's proposal for the token after the last emitted one.
+    `drafts` are the MTP head's proposals for the tokens after the last emitted one (as many
+    as the request's depth asks for this step; none without MTP).
     """
 
     request_id: str
     tokens: tuple[int, ...]
     keep: int
-    draft: int | None = None
+    drafts: tuple[int, ...] = ()
     drafted: int = 0
     accepted: int = 0
     logprobs: tuple[float, ...] | None = None
+    # Per emitted token, the likeliest (token, logprob) pairs, likeliest first, when asked.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

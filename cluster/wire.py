@@ -178,6 +178,11 @@ def options_to_proto(o: RequestOptions, m: pb.RequestOptions | None = None) -> p
     sampling_to_proto(o.sampling, m.sampling)
     m.mtp = o.mtp
     m.logprobs = o.logprobs
+    m.top_logprobs = o.top_logprobs
+    if o.mtp_depth == "auto":
+        m.mtp_depth_auto = True
+    else:
+        m.mtp_depth = o.mtp_depth
     return m
 
 
@@ -186,6 +191,10 @@ def options_from_proto(m: pb.RequestOptions) -> RequestOptions:
         sampling=sampling_from_proto(m.sampling) if m.HasField("sampling") else _OPTIONS.sampling,
         mtp=m.mtp if m.HasField("mtp") else _OPTIONS.mtp,
         logprobs=m.logprobs,
+        top_logprobs=m.top_logprobs,
+        mtp_depth="auto"
+        if m.mtp_depth_auto
+        else (m.mtp_depth if m.HasField("mtp_depth") else _OPTIONS.mtp_depth),
     )
 
 
@@ -207,6 +216,9 @@ def step_batch_to_proto(
                 draft_len=e.draft_len,
                 rollback=e.rollback,
                 sample=e.sample,
+                token_masks=e.token_masks,
+                prefix_from=e.prefix_from,
+                prefix_save=e.prefix_save,
             )
             if e.options is not None:
                 options_to_proto(e.options, m.options)
@@ -230,6 +242,9 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
             rollback=m.rollback,
             sample=m.sample if m.HasField("sample") else _SAMPLE_DEFAULT,
             options=options_from_proto(m.options) if m.HasField("options") else None,
+            token_masks=tuple(m.token_masks),
+            prefix_from=m.prefix_from,
+            prefix_save=m.prefix_save,
         )
         for m in msg.entries
     ]
@@ -250,14 +265,15 @@ def results_to_proto(results: list[StepResult], errors: list[ErrorEntry]) -> pb.
                 request_id=r.request_id,
                 tokens=r.tokens,
                 keep=r.keep,
+                drafts=r.drafts,
                 drafted=r.drafted,
                 accepted=r.accepted,
             )
-            if r.draft is not None:
-                m.draft = r.draft
             if r.logprobs is not None:
                 m.logprobs.extend(r.logprobs)
                 m.has_logprobs = True
+            for top in r.top_logprobs or ():
+                m.top_logprobs.add(tokens=[t for t, _ in top], logprobs=[lp for _, lp in top])
         add_error = msg.errors.add
         for request_id, code, message in errors:
             add_error(request_id=request_id, code=code.value[0], message=message)
@@ -273,10 +289,11 @@ def results_from_proto(msg: pb.ResultBatch) -> tuple[list[StepResult], list[Erro
             request_id=m.request_id,
             tokens=tuple(m.tokens),
             keep=m.keep,
-            draft=m.draft if m.HasField("draft") else None,
+            drafts=tuple(m.drafts),
             drafted=m.drafted,
             accepted=m.accepted,
             logprobs=tuple(m.logprobs) if m.has_logprobs else None,
+            top_logprobs=_top_logprobs_from_proto(m),
         )
         for m in msg.results
     ]
@@ -285,3 +302,11 @@ def results_from_proto(msg: pb.ResultBatch) -> tuple[list[StepResult], list[Erro
         for e in msg.errors
     ]
     return results, errors
+
+
+def _top_logprobs_from_proto(
+    m: pb.ResultEntry,
+) -> tuple[tuple[tuple[int, float], ...], ...] | None:
+    if not m.top_logprobs:
+        return None
+    return tuple(tuple(zip(top.tokens, top.logprobs, strict=True)) for top in m.top_logprobs)

@@ -12,6 +12,7 @@ is closed explicitly with `aclose()`, which is what frees the request's caches o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -21,15 +22,19 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from aiohttp import web
-from jinja2 import TemplateError
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
-from cluster.messages import RequestError, RequestOptions
+from cluster.decode.token_mask import TokenConstraint
+from cluster.messages import MtpDepth, RequestError, RequestOptions
 from coordinator.admission import AdmissionController, OverCapacity
+from coordinator.api_keys import ApiKeys, api_key_middleware
+from coordinator.chat_prompt import render_chat_prompt
+from coordinator.chat_reply import ChatReply
+from coordinator.chat_request import parse_chat_request
+from coordinator.logprobs import TokenLogprob, TokenText, chat_logprobs, completion_logprobs
 from coordinator.metrics import ClusterView, RequestCounters, cluster_json, render_prometheus
 from coordinator.openai_schema import (
     ApiError,
-    ChatRequest,
     CommonParams,
     CompletionRequest,
     ResponseIdentity,
@@ -38,11 +43,12 @@ from coordinator.openai_schema import (
     chat_completion,
     chat_usage_chunk,
     model_list,
-    parse_chat_request,
     parse_completion_request,
     text_completion,
     text_usage_chunk,
 )
+from coordinator.partial_text import split_at_partial_marker
+from coordinator.response_format import JsonGrammars
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +80,23 @@ def create_app(
     model_id: str,
     admission: AdmissionController,
     counters: RequestCounters | None = None,
+    api_keys: ApiKeys | None = None,
+    mtp_depth: MtpDepth = 1,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
     `tokenizer` is mlx-lm's `TokenizerWrapper`. Pass the same `counters` to the `ClusterView`
     that reports `ClusterStats`, so that the requests counted here show up in its stats.
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
-    up cancels its request at once, not only at the next write.
+    up cancels its request at once, not only at the next write. With `api_keys`, the routes
+    they guard need `Authorization: Bearer KEY`. `mtp_depth` is the MTP drafts per step of a
+    request that does not name its own.
     """
-    api = _Api(engine, tokenizer, view, model_id, admission, counters or RequestCounters())
-    app = web.Application(middlewares=[_openai_errors])
+    api = _Api(
+        engine, tokenizer, view, model_id, admission, counters or RequestCounters(), mtp_depth
+    )
+    keys = api_keys or ApiKeys()
+    app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
     app.router.add_post("/v1/completions", api.counted(api.completions))
     app.router.add_get("/v1/models", api.models)
@@ -127,22 +140,13 @@ class StopMatcher:
         if found:
             self._held = ""
             return buffer[: min(found)], True
-        keep = self._longest_stop_prefix_suffix(buffer)
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep], False
+        safe, self._held = split_at_partial_marker(buffer, self._stops)
+        return safe, False
 
     def flush(self) -> str:
         """The held-back text, once the generation has ended without a stop string."""
         held, self._held = self._held, ""
         return held
-
-    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
-        longest = max((len(stop) - 1 for stop in self._stops), default=0)
-        for size in range(min(longest, len(buffer)), 0, -1):
-            tail = buffer[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0
 
 
 class TextStream:
@@ -161,7 +165,13 @@ class TextStream:
         self._stops = StopMatcher(stops)
         self._stop_tokens = request.stop_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the conversation cache spared
+        self.drafted = 0  # MTP drafts of this request so far, and how many were accepted
+        self.accepted = 0
         self.finish_reason: str | None = None
+        # Every emitted token's logprob (when asked for), and how many were already taken.
+        self.logprobs: list[TokenLogprob] | None = [] if request.options.logprobs else None
+        self._logprobs_taken = 0
 
     async def next_text(self) -> str | None:
         while self.finish_reason is None:
@@ -170,6 +180,14 @@ class TextStream:
             if text or self.finish_reason is not None:
                 return text
         return None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens absorbed since the last call (None: not asked for)."""
+        if self.logprobs is None:
+            return None
+        new = self.logprobs[self._logprobs_taken :]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     async def aclose(self) -> None:
         """Close the engine's stream: a request still running is cancelled on every node."""
@@ -196,9 +214,12 @@ class TextStream:
             text, _ = self._stops.feed(self._detokenizer.last_segment)
             return text + self._stops.flush()
         self.completion_tokens += len(chunk.tokens)
-        for token in chunk.tokens:
+        self.cached_tokens = chunk.cached_tokens
+        self.drafted, self.accepted = chunk.drafted, chunk.accepted
+        for i, token in enumerate(chunk.tokens):
             if token not in self._stop_tokens:  # an end-of-turn token is not text
                 self._detokenizer.add_token(token)
+                self._absorb_logprob(chunk, i)
         if chunk.finish_reason is not None:
             self._detokenizer.finalize()
         text, stopped = self._stops.feed(self._detokenizer.last_segment)
@@ -209,46 +230,107 @@ class TextStream:
             text += self._stops.flush()
         return text
 
+    def _absorb_logprob(self, chunk: GenerationChunk, i: int) -> None:
+        if self.logprobs is None:
+            return
+        if chunk.logprobs is None or len(chunk.logprobs) <= i:
+            raise ApiError(502, "the engine sent no logprobs", type="server_error")
+        top = chunk.top_logprobs[i] if chunk.top_logprobs else ()
+        self.logprobs.append(TokenLogprob(chunk.tokens[i], chunk.logprobs[i], top))
+
+
+_Logprobs = list[TokenLogprob] | None
+
 
 class _ChatFormat:
-    """The chat.completion(.chunk) objects of one response."""
+    """The chat.completion(.chunk) objects of one response: reasoning, content, tool calls.
 
-    def __init__(self, model: str) -> None:
+    Streamed logprobs ride on the next chunk that goes out (text may be held back a while).
+    """
+
+    def __init__(self, model: str, reply: ChatReply, token_text: TokenText) -> None:
         self.ident = ResponseIdentity.new("chatcmpl", model)
+        self.reply = reply
+        self._token_text = token_text
+        self._pending: list[TokenLogprob] = []
+
+    @property
+    def complete(self) -> bool:
+        """The reply has all it may have (one call made, when only one is allowed)."""
+        return self.reply.complete
+
+    def absorb(self, text: str) -> None:
+        """Take in a piece of a reply that is sent whole."""
+        self.reply.feed(text)
 
     def opening(self) -> list[dict[str, Any]]:
         return [chat_chunk(self.ident, {"role": "assistant", "content": ""})]
 
-    def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        out = [chat_chunk(self.ident, {"content": text})] if text else []
+    def pieces(
+        self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
+    ) -> list[dict[str, Any]]:
+        deltas = self.reply.feed(text)
+        if finish_reason is None and self.reply.complete:
+            finish_reason = "stop"  # the caller stops the generation here
         if finish_reason is not None:
-            out.append(chat_chunk(self.ident, {}, finish_reason))
+            deltas += self.reply.finish()
+        out = [chat_chunk(self.ident, delta) for delta in deltas]
+        if finish_reason is not None:
+            out.append(chat_chunk(self.ident, {}, self.reply.finish_reason(finish_reason)))
+        if logprobs is not None:
+            self._pending += logprobs
+            if out and self._pending:
+                out[0]["choices"][0]["logprobs"] = chat_logprobs(self._pending, self._token_text)
+                self._pending = []
         return out
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return chat_usage_chunk(self.ident, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return chat_completion(self.ident, text, finish_reason, usage)
+    def whole(self, finish_reason: str, usage: Usage, logprobs: _Logprobs = None) -> dict[str, Any]:
+        self.reply.finish()
+        reason = self.reply.finish_reason(finish_reason)
+        shaped = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
+        return chat_completion(self.ident, self.reply.message(), reason, usage, shaped)
 
 
 class _TextFormat:
     """The text_completion objects of one response."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, token_text: TokenText, alternatives: int) -> None:
         self.ident = ResponseIdentity.new("cmpl", model)
+        self._token_text = token_text
+        self._alternatives = alternatives
+        self._offset = 0  # of the next logprobs' text in the completion
+        self._pieces: list[str] = []
+        self.complete = False  # a text completion ends only when the generation does
+
+    def absorb(self, text: str) -> None:
+        self._pieces.append(text)
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def pieces(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        return [text_completion(self.ident, text, finish_reason, None)]
+    def pieces(
+        self, text: str, finish_reason: str | None, logprobs: _Logprobs = None
+    ) -> list[dict[str, Any]]:
+        return [text_completion(self.ident, text, finish_reason, None, self._shape(logprobs))]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return text_usage_chunk(self.ident, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return text_completion(self.ident, text, finish_reason, usage)
+    def whole(self, finish_reason: str, usage: Usage, logprobs: _Logprobs = None) -> dict[str, Any]:
+        text = "".join(self._pieces)
+        return text_completion(self.ident, text, finish_reason, usage, self._shape(logprobs))
+
+    def _shape(self, logprobs: _Logprobs) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        shaped = completion_logprobs(
+            logprobs, self._token_text, offset=self._offset, alternatives=self._alternatives
+        )
+        self._offset += sum(len(token) for token in shaped["tokens"])
+        return shaped
 
 
 _Format = _ChatFormat | _TextFormat
@@ -266,6 +348,7 @@ class _Api:
         model_id: str,
         admission: AdmissionController,
         counters: RequestCounters,
+        mtp_depth: MtpDepth = 1,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
@@ -274,7 +357,10 @@ class _Api:
         self._admission = admission
         self._counters = counters
         self._stop_tokens = stop_token_ids(tokenizer)
+        self._token_text = TokenText(tokenizer)
+        self._grammars = JsonGrammars(tokenizer, self._stop_tokens)
         self._created = int(time.time())
+        self._mtp_depth = mtp_depth  # for requests that do not name theirs
 
     # --- OpenAI endpoints -------------------------------------------------------------------
 
@@ -283,15 +369,28 @@ class _Api:
         chat = parse_chat_request(
             await request.read(), model_id=self._model_id, max_context=max_context
         )
-        fmt = _ChatFormat(chat.params.model)
-        return await self._generate(request, self._chat_prompt(chat), chat.params, fmt)
+        prompt = render_chat_prompt(self._tokenizer, chat)
+        reply = ChatReply(prompt, chat.offered_tools, single_call=not chat.parallel_tool_calls)
+        fmt = _ChatFormat(chat.params.model, reply, self._token_text)
+        constraint = None
+        if chat.json_schema is not None:
+            if prompt.starts_in_reasoning:  # the JSON would land in the think block
+                raise ApiError(
+                    400,
+                    "'response_format' needs the reply to start with the answer: turn thinking "
+                    "off (chat_template_kwargs.enable_thinking: false)",
+                    param="response_format",
+                )
+            constraint = self._grammars.constraint(chat.json_schema)
+        return await self._generate(request, prompt.tokens, chat.params, fmt, constraint)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         max_context = self._engine.max_context
         completion = parse_completion_request(
             await request.read(), model_id=self._model_id, max_context=max_context
         )
-        fmt = _TextFormat(completion.params.model)
+        params = completion.params
+        fmt = _TextFormat(params.model, self._token_text, params.top_logprobs or 0)
         return await self._generate(request, self._text_prompt(completion), completion.params, fmt)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -350,16 +449,6 @@ class _Api:
 
         return counted_handler
 
-    def _chat_prompt(self, chat: ChatRequest) -> tuple[int, ...]:
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        try:
-            ids = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-        except TemplateError as exc:  # templates reject e.g. a conversation in a bad order
-            raise ApiError(400, f"the chat template rejected the messages: {exc}") from exc
-        return tuple(int(token) for token in ids)
-
     def _text_prompt(self, completion: CompletionRequest) -> tuple[int, ...]:
         if isinstance(completion.prompt, str):
             return tuple(self._tokenizer.encode(completion.prompt))
@@ -369,7 +458,10 @@ class _Api:
         return completion.prompt
 
     def _generation_request(
-        self, prompt: tuple[int, ...], params: CommonParams
+        self,
+        prompt: tuple[int, ...],
+        params: CommonParams,
+        constraint: TokenConstraint | None = None,
     ) -> GenerationRequest:
         """Check the context budget here, before a slot is taken, and build the request."""
         max_context = self._engine.max_context
@@ -384,9 +476,19 @@ class _Api:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
-        options = RequestOptions(sampling=params.sampling)
+        depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
+        options = RequestOptions(
+            sampling=params.sampling,
+            mtp=params.mtp,
+            logprobs=params.top_logprobs is not None,
+            top_logprobs=params.top_logprobs or 0,
+            mtp_depth=depth,
+        )
+        stop_tokens = frozenset() if params.ignore_eos else self._stop_tokens
         try:
-            return GenerationRequest(prompt, max_tokens, options, self._stop_tokens)
+            return GenerationRequest(
+                prompt, max_tokens, options, stop_tokens, constraint=constraint
+            )
         except RequestError as exc:
             raise ApiError(400, str(exc), code="invalid_request") from exc
 
@@ -396,8 +498,9 @@ class _Api:
         prompt: tuple[int, ...],
         params: CommonParams,
         fmt: _Format,
+        constraint: TokenConstraint | None = None,
     ) -> web.StreamResponse:
-        generation = self._generation_request(prompt, params)
+        generation = self._generation_request(prompt, params, constraint)
         async with self._admission.slot():
             self._counters.in_flight += 1
             self._counters.prompt_tokens_total += len(prompt)
@@ -407,21 +510,27 @@ class _Api:
                     return await self._send_events(request, stream, params, fmt, len(prompt))
                 return await self._send_whole(request, stream, fmt, len(prompt))
             finally:
-                await stream.aclose()  # cancels the request on every node if still running
-                self._counters.in_flight -= 1
-                self._counters.completion_tokens_total += stream.completion_tokens
+                try:
+                    # Cancels the request on every node if still running, else releases it
+                    # (keeping the conversation's snapshot). A client that hangs up once the
+                    # response is out cancels this handler: that must not cut the release short.
+                    await asyncio.shield(stream.aclose())
+                finally:
+                    self._counters.in_flight -= 1
+                    self._counters.completion_tokens_total += stream.completion_tokens
 
     async def _send_whole(
         self, request: web.Request, stream: TextStream, fmt: _Format, prompt_tokens: int
     ) -> web.Response:
-        pieces: list[str] = []
         while (text := await stream.next_text()) is not None:
-            pieces.append(text)
+            fmt.absorb(text)
+            if fmt.complete:  # the rest would not be part of the reply: stop generating
+                break
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
-        usage = Usage(prompt_tokens, stream.completion_tokens)
-        body = fmt.whole("".join(pieces), stream.finish_reason or "stop", usage)
+        usage = _usage(prompt_tokens, stream)
+        body = fmt.whole(stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
     async def _send_events(
@@ -441,13 +550,13 @@ class _Api:
             for obj in fmt.opening():
                 await _send_event(response, obj)
             while text is not None:
-                for obj in fmt.pieces(text, stream.finish_reason):
+                for obj in fmt.pieces(text, stream.finish_reason, stream.take_logprobs()):
                     await _send_event(response, obj)
+                if fmt.complete:  # the rest would not be part of the reply: stop generating
+                    break
                 text = await stream.next_text()
             if params.include_usage:
-                await _send_event(
-                    response, fmt.usage(Usage(prompt_tokens, stream.completion_tokens))
-                )
+                await _send_event(response, fmt.usage(_usage(prompt_tokens, stream)))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:  # failed after the headers went out: say so in the stream
             self._counters.errors_total += 1
@@ -458,6 +567,16 @@ class _Api:
             return response
         await response.write_eof()
         return response
+
+
+def _usage(prompt_tokens: int, stream: TextStream) -> Usage:
+    return Usage(
+        prompt_tokens,
+        stream.completion_tokens,
+        stream.cached_tokens,
+        stream.drafted,
+        stream.accepted,
+    )
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -20,6 +20,8 @@ import click
 
 from cluster.config import bundled_model_path
 from cluster.local import parse_layers
+from cluster.messages import MtpDepth, RequestError, parse_mtp_depth
+from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
 from coordinator.service import run_coordinator
 from node.auth import TLSConfig
 
@@ -50,6 +52,47 @@ NODE_START_TIMEOUT_S = 60.0
     default=None,
     help="Cluster certificate (PEM) when the nodes serve TLS.",
 )
+@click.option(
+    "--tls-key",
+    envvar="CLUSTER_TLS_KEY",
+    type=click.Path(exists=True),
+    default=None,
+    help="The certificate's key: with TLS, needed to serve weights to nodes.",
+)
+@click.option(
+    "--weights-port",
+    type=int,
+    default=0,
+    help="Port of the weights service that nodes fetch from [default: any free port].",
+)
+@click.option(
+    "--api-key",
+    envvar=API_KEY_ENV,
+    default=None,
+    help=f"Require 'Authorization: Bearer KEY' on /v1 (also ${API_KEY_ENV}).",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Accepted API keys, one a line (with or instead of --api-key).",
+)
+@click.option(
+    "--mtp-depth",
+    default="1",
+    show_default=True,
+    help="MTP drafts per step for requests that do not name theirs: 0-8 or auto.",
+)
+@click.option(
+    "--open-monitoring",
+    is_flag=True,
+    help="With API keys: leave /metrics, /health and the dashboard's data open.",
+)
+@click.option(
+    "--no-prefix-cache",
+    is_flag=True,
+    help="Do not keep conversation (prefix) snapshots on the nodes.",
+)
 def coordinator_command(
     nodes: str,
     model_dir: Path | None,
@@ -62,9 +105,20 @@ def coordinator_command(
     max_running: int,
     max_queued: int,
     tls_cert: str | None,
+    tls_key: str | None,
+    weights_port: int,
+    api_key: str | None,
+    api_key_file: Path | None,
+    mtp_depth: str,
+    open_monitoring: bool,
+    no_prefix_cache: bool,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
     static = [n for n in nodes.split(",") if n]
+    try:
+        keys = ApiKeys.of(read_api_keys(api_key, api_key_file), open_monitoring=open_monitoring)
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="--api-key / --api-key-file") from error
     try:
         asyncio.run(
             run_coordinator(
@@ -78,13 +132,24 @@ def coordinator_command(
                 use_all=all_nodes,
                 max_running=max_running,
                 max_queued=max_queued,
-                tls=TLSConfig.from_files(tls_cert),
+                tls=TLSConfig.from_files(tls_cert, tls_key),
+                weights_port=weights_port,
+                api_keys=keys,
+                mtp_depth=_mtp_depth(mtp_depth),
+                prefix_cache=not no_prefix_cache,
             )
         )
     except KeyboardInterrupt:
         pass
     except (OSError, ValueError) as error:
         raise click.ClickException(str(error)) from error
+
+
+def _mtp_depth(text: str) -> MtpDepth:
+    try:
+        return parse_mtp_depth(text)
+    except RequestError as error:
+        raise click.BadParameter(str(error), param_hint="--mtp-depth") from error
 
 
 def _free_port() -> int:
@@ -113,7 +178,13 @@ def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
 
 
 @click.command("up")
-@click.option("--local", "count", type=int, required=True, help="Number of local nodes.")
+@click.option("--local", "count", type=int, default=None, help="Number of local nodes.")
+@click.option(
+    "--hosts",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Cluster file (TOML): node services on these hosts over ssh (deploy/README.md).",
+)
 @click.option(
     "--model",
     "model_dir",
@@ -121,10 +192,26 @@ def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
     default=None,
     help="Model directory (default: the bundled tiny Qwen3.5).",
 )
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=int, default=None, help="HTTP port [default: 8000, or the file's].")
 @click.option("--layers", default=None, help="Override placement: 0:3,3:6,6:8.")
-def up_command(count: int, model_dir: Path | None, port: int, layers: str | None) -> None:
-    """N local nodes plus the coordinator on this machine; Ctrl-C stops everything."""
+def up_command(
+    count: int | None,
+    hosts: Path | None,
+    model_dir: Path | None,
+    port: int | None,
+    layers: str | None,
+) -> None:
+    """The coordinator plus N local nodes (Ctrl-C stops everything), or nodes on --hosts."""
+    if (count is None) == (hosts is None):
+        raise click.UsageError("give either --local N or --hosts FILE")
+    if hosts is not None:
+        if model_dir is not None:
+            raise click.UsageError("with --hosts, the model is the cluster file's `model`")
+        from cluster.hosts.cli import up_hosts
+
+        up_hosts(hosts, layers, port)
+        return
+    port = port or 8000
     if count < 1:
         raise click.BadParameter("--local needs at least one node")
     token = os.environ.get("CLUSTER_TOKEN") or secrets.token_hex(16)
@@ -165,11 +252,21 @@ def up_command(count: int, model_dir: Path | None, port: int, layers: str | None
 
 @click.command("status")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
-def status_command(url: str) -> None:
+@click.option("--api-key", envvar=API_KEY_ENV, default=None, help="The coordinator's API key.")
+def status_command(url: str, api_key: str | None) -> None:
     """Print the cluster table of a running coordinator."""
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/cluster")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/cluster", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             data = json.load(response)
+    except urllib.error.HTTPError as error:
+        if error.code == 401:
+            raise click.ClickException(
+                f"the coordinator at {url} needs its API key (--api-key or ${API_KEY_ENV})"
+            ) from error
+        raise click.ClickException(f"the coordinator at {url} answered {error}") from error
     except (urllib.error.URLError, OSError) as error:
         raise click.ClickException(f"cannot reach the coordinator at {url}: {error}") from error
     stats = data.get("stats", {})
@@ -186,7 +283,9 @@ def status_command(url: str) -> None:
         memory = (
             f"{node['memory_used_bytes'] / 2**30:.1f}/{node['memory_total_bytes'] / 2**30:.1f} GiB"
         )
+        fetching = node.get("weights_fraction")
         click.echo(
             f"{node['node_id']:<22} {node['address']:<22} {layers:<10} {role:<10} "
             f"{'up' if node['up'] else 'DOWN':<6} {memory:>18} {node['step_latency_ms']:>8.2f}"
+            + (f"  fetching weights {fetching:.0%}" if fetching is not None else "")
         )

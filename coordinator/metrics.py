@@ -30,6 +30,21 @@ class NodeStatus:
     memory_total_bytes: int
     step_latency_ms: float
     device: str
+    weights_fraction: float | None = None  # a weights transfer to the node in progress
+    # What `cluster bench` reads: the node's cumulative counters, the round trips of the
+    # coordinator's heartbeat to it and of its own pings to its successor, its machine.
+    steps_total: int = 0
+    batches_total: int = 0
+    busy_seconds_total: float = 0.0
+    rtt_ms: float = 0.0
+    next_hop_rtt_ms: float = 0.0
+    chip: str = ""
+    os: str = ""
+    cpu_count: int = 0
+    # The conversation cache's share on the node: its prefix snapshots, their bytes, budget.
+    prefix_snapshots: int = 0
+    prefix_snapshot_bytes: int = 0
+    prefix_budget_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +57,11 @@ class ClusterStats:
     requests_total: int
     errors_total: int
     model_id: str
+    # The conversation (prefix) cache: requests that started from a snapshot, the prompt
+    # tokens they did not prefill, and the prefixes every node holds now.
+    prefix_cache_hits: int = 0
+    prefix_cache_saved_tokens: int = 0
+    prefix_cache_entries: int = 0
 
 
 class ClusterView(Protocol):
@@ -114,6 +134,9 @@ def render_prometheus(
         "cluster_requests_rejected": counters.rejected_total,
         "cluster_prompt_tokens": counters.prompt_tokens_total,
         "cluster_completion_tokens": counters.completion_tokens_total,
+        "cluster_prefix_cache_hits": stats.prefix_cache_hits,
+        "cluster_prefix_cache_saved_tokens": stats.prefix_cache_saved_tokens,
+        "cluster_prefix_cache_entries": stats.prefix_cache_entries,
     }
     for name, (kind, help_text) in _CLUSTER_METRICS.items():
         out.family(name, kind, help_text, [({}, cluster_values[name])])
@@ -134,6 +157,16 @@ _NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeStatus], float]], ...] = (
     ("cluster_node_memory_used_bytes", "Memory the node uses.", lambda n: n.memory_used_bytes),
     ("cluster_node_memory_total_bytes", "Memory the node has.", lambda n: n.memory_total_bytes),
     ("cluster_node_layers", "Decoder layers the node holds.", lambda node: node.end - node.start),
+    (
+        "cluster_node_prefix_snapshots",
+        "Conversation-cache snapshots the node holds.",
+        lambda node: node.prefix_snapshots,
+    ),
+    (
+        "cluster_node_prefix_snapshot_bytes",
+        "Memory of the node's conversation-cache snapshots.",
+        lambda node: node.prefix_snapshot_bytes,
+    ),
 )
 
 # name -> (type, help); counters are written with the `_total` suffix.
@@ -148,6 +181,12 @@ _CLUSTER_METRICS: dict[str, tuple[str, str]] = {
     "cluster_requests_rejected": ("counter", "Requests refused as invalid or over capacity."),
     "cluster_prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
     "cluster_completion_tokens": ("counter", "Tokens generated for clients."),
+    "cluster_prefix_cache_hits": ("counter", "Requests started from a cached prefix."),
+    "cluster_prefix_cache_saved_tokens": (
+        "counter",
+        "Prompt tokens not prefilled thanks to the prefix cache.",
+    ),
+    "cluster_prefix_cache_entries": ("gauge", "Prefixes cached on every node."),
 }
 
 

@@ -1,9 +1,11 @@
 """The OpenAI wire format: request bodies in, response objects out, errors as OpenAI bodies.
 
-Parsing is strict where a silent misreading would change the output (types, ranges, `n`,
-logprobs that we cannot serve) and lenient where nothing is lost (unknown keys, an omitted
-`model` on a single-model server). Every refusal is an `ApiError`, rendered as the body that
-OpenAI clients know how to surface: `{"error": {"message", "type", "param", "code"}}`.
+Parsing is strict: a field we do not know, or one we cannot honour as asked, is refused
+rather than silently dropped (OpenAI itself refuses unknown fields); it is lenient only where
+nothing is lost (an omitted `model` on a single-model server, a penalty of 0). Every refusal is
+an `ApiError`, rendered as the body that OpenAI clients know how to surface:
+`{"error": {"message", "type", "param", "code"}}`. The chat body's own fields (messages,
+tools, templates) are read in `coordinator.chat_request`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.messages import RequestError, SamplingParams
+from cluster.messages import MAX_MTP_DEPTH, MAX_TOP_LOGPROBS, MtpDepth, RequestError, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one costs a scan of the held-back text
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# The fields both endpoints read; each endpoint adds its own (see `check_fields`).
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+    "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "logit_bias",
+    "mtp_depth", "mtp", "ignore_eos",
+})  # fmt: skip
 
 
 class ApiError(Exception):
@@ -64,18 +71,10 @@ class CommonParams:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    messages: tuple[ChatMessage, ...]
-    params: CommonParams
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens, stop tokens or not
+    mtp: bool = True  # this cluster's extension: False runs the request without the MTP head
+    top_logprobs: int | None = None  # None: no logprobs; n: the token's and the n likeliest
+    mtp_depth: MtpDepth | None = None  # MTP drafts per step (an extension); None: the server's
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,40 +83,43 @@ class CompletionRequest:
     params: CommonParams
 
 
-def parse_chat_request(raw: bytes, *, model_id: str, max_context: int) -> ChatRequest:
-    """Parse a `/v1/chat/completions` body; raise `ApiError` for anything we would misread."""
-    body = _json_object(raw)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _invalid("'messages' must be a non-empty array", "messages")
-    parsed = tuple(_chat_message(m, f"messages[{i}]") for i, m in enumerate(messages))
-    if "logprobs" in body and body["logprobs"] not in (None, False):
-        raise _unsupported("logprobs are not supported by this server", "logprobs")
-    return ChatRequest(parsed, _common_params(body, model_id=model_id, max_context=max_context))
-
-
 def parse_completion_request(raw: bytes, *, model_id: str, max_context: int) -> CompletionRequest:
     """Parse a `/v1/completions` body (one prompt: a string or a list of token ids)."""
-    body = _json_object(raw)
-    if body.get("logprobs") not in (None, 0):
-        raise _unsupported("logprobs are not supported by this server", "logprobs")
+    body = json_object(raw)
+    check_fields(body, COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"})
+    if body.get("best_of") not in (None, 1):
+        raise invalid("'best_of' must be 1", "best_of")
     if body.get("echo") not in (None, False):
-        raise _unsupported("echo is not supported by this server", "echo")
+        raise unsupported("echo is not supported by this server", "echo")
     if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix is not supported by this server", "suffix")
+        raise unsupported("suffix is not supported by this server", "suffix")
     prompt = _prompt(body.get("prompt"))
-    return CompletionRequest(
-        prompt, _common_params(body, model_id=model_id, max_context=max_context)
-    )
+    params = common_params(body, model_id=model_id, max_context=max_context)
+    top = optional(body, "logprobs", int, None)  # completions: the number of alternatives
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    return CompletionRequest(prompt, replace(params, top_logprobs=top))
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
+def check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    """Refuse a field this server does not read: dropping it would change what was asked."""
+    for name in body:
+        if name not in known:
+            raise ApiError(
+                400,
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
+            )
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise _invalid(f"the request body is not valid JSON: {exc}", None) from exc
+        raise invalid(f"the request body is not valid JSON: {exc}", None) from exc
     if not isinstance(body, dict):
-        raise _invalid("the request body must be a JSON object", None)
+        raise invalid("the request body must be a JSON object", None)
     return body
 
 
@@ -125,64 +127,72 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _chat_message(message: object, where: str) -> ChatMessage:
-    if not isinstance(message, dict):
-        raise _invalid(f"'{where}' must be an object", where)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise _invalid(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}", f"{where}.role")
-    return ChatMessage(role, _content(message.get("content"), f"{where}.content"))
-
-
-def _content(content: object, where: str) -> str:
-    """A string, or an array of text parts (what newer clients send), joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise _invalid(f"'{where}' may only hold text parts", where)
-            if not isinstance(part.get("text"), str):
-                raise _invalid(f"'{where}' text parts need a string 'text'", where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise _invalid(f"'{where}' must be a string or an array of text parts", where)
-
-
 def _prompt(prompt: object) -> str | tuple[int, ...]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
-            raise _invalid("'prompt' must not be empty", "prompt")
+            raise invalid("'prompt' must not be empty", "prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return tuple(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _invalid("only one prompt per request is supported", "prompt")
-    raise _invalid("'prompt' must be a non-empty string or array of token ids", "prompt")
+        raise invalid("only one prompt per request is supported", "prompt")
+    raise invalid("'prompt' must be a non-empty string or array of token ids", "prompt")
 
 
-def _common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> CommonParams:
+def common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> CommonParams:
+    """What both endpoints read alike; no logprobs (each endpoint asks for them its own way)."""
     model = _model(body.get("model"), model_id)
     if body.get("n") not in (None, 1):
-        raise _invalid("'n' must be 1", "n")
+        raise invalid("'n' must be 1", "n")
     max_tokens = _max_tokens(body, max_context)
-    stream = _optional(body, "stream", bool, False)
-    options = _optional(body, "stream_options", dict, {})
+    stream = optional(body, "stream", bool, False)
+    options = optional(body, "stream_options", dict, {})
+    if set(options) - {"include_usage"}:
+        unknown = sorted(set(options) - {"include_usage"})
+        raise invalid(
+            f"'stream_options' takes only 'include_usage', not {unknown}", "stream_options"
+        )
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise _invalid("'stream_options.include_usage' must be a boolean", "stream_options")
+        raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")
     sampling = _sampling(body)
-    return CommonParams(model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage)
+    _no_op_only(body)
+    ignore_eos = optional(body, "ignore_eos", bool, False)
+    if ignore_eos and max_tokens is None:
+        raise invalid("'ignore_eos' needs 'max_tokens'", "ignore_eos")
+    return CommonParams(
+        model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage,
+        ignore_eos=ignore_eos, mtp=optional(body, "mtp", bool, True),
+        mtp_depth=_mtp_depth(body.get("mtp_depth")),
+    )  # fmt: skip
+
+
+def _mtp_depth(value: object) -> MtpDepth | None:
+    """This server's extension: MTP drafts per step, 0..MAX_MTP_DEPTH or "auto"."""
+    if value is None:
+        return None
+    if value == "auto" or (is_int(value) and 0 <= value <= MAX_MTP_DEPTH):
+        return value
+    raise invalid(f"'mtp_depth' must be an integer in [0, {MAX_MTP_DEPTH}] or 'auto'", "mtp_depth")
+
+
+def _no_op_only(body: dict[str, Any]) -> None:
+    """Fields we accept only at their no-op value; any other value would be ignored."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if optional_number(body, name, 0.0) != 0.0:
+            raise unsupported(f"'{name}' is not supported by this server (only 0)", name)
+    if body.get("logit_bias") not in (None, {}):
+        raise unsupported("'logit_bias' is not supported by this server", "logit_bias")
+    optional(body, "user", str, None)  # an end-user id for the operator's logs; no effect
 
 
 def _model(model: object, model_id: str) -> str:
     if model is None:
         return model_id  # one model is served, so an omitted model is unambiguous
     if not isinstance(model, str):
-        raise _invalid("'model' must be a string", "model")
+        raise invalid("'model' must be a string", "model")
     if model != model_id:
         raise ApiError(
             404,
@@ -199,10 +209,10 @@ def _max_tokens(body: dict[str, Any], max_context: int) -> int | None:
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
-            raise _invalid(f"'{name}' must be a positive integer", name)
+        if not is_int(value) or value < 1:
+            raise invalid(f"'{name}' must be a positive integer", name)
         if value > max_context:
-            raise _invalid(
+            raise invalid(
                 f"'{name}' is {value}, but the model's context is {max_context} tokens",
                 name,
                 code="context_length_exceeded",
@@ -212,25 +222,25 @@ def _max_tokens(body: dict[str, Any], max_context: int) -> int | None:
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
-    temperature = _optional_number(body, "temperature", 1.0)
+    temperature = optional_number(body, "temperature", 1.0)
     if temperature < 0 or temperature > 2:
-        raise _invalid("'temperature' must be in [0, 2]", "temperature")
-    top_p = _optional_number(body, "top_p", 1.0)
+        raise invalid("'temperature' must be in [0, 2]", "temperature")
+    top_p = optional_number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise _invalid("'top_p' must be in (0, 1]", "top_p")
-    top_k = _optional(body, "top_k", int, 0)
+        raise invalid("'top_p' must be in (0, 1]", "top_p")
+    top_k = optional(body, "top_k", int, 0)
     if top_k < -1:
-        raise _invalid("'top_k' must be >= 0 (or -1 for no limit)", "top_k")
-    min_p = _optional_number(body, "min_p", 0.0)
+        raise invalid("'top_k' must be >= 0 (or -1 for no limit)", "top_k")
+    min_p = optional_number(body, "min_p", 0.0)
     if not 0 <= min_p < 1:
-        raise _invalid("'min_p' must be in [0, 1)", "min_p")
+        raise invalid("'min_p' must be in [0, 1)", "min_p")
     seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
-        raise _invalid("'seed' must be an integer in [0, 2**63)", "seed")
+    if seed is not None and not (is_int(seed) and 0 <= seed < 2**63):
+        raise invalid("'seed' must be an integer in [0, 2**63)", "seed")
     try:
         return SamplingParams(temperature, top_p, max(top_k, 0), min_p, seed)
     except RequestError as exc:  # the core's own checks, should they ever be stricter
-        raise _invalid(str(exc), None) from exc
+        raise invalid(str(exc), None) from exc
 
 
 def _stop(stop: object) -> tuple[str, ...]:
@@ -238,35 +248,35 @@ def _stop(stop: object) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _invalid("'stop' must be a string or an array of strings", "stop")
+        raise invalid("'stop' must be a string or an array of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise _invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
+        raise invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
     if any(not s for s in stops):
-        raise _invalid("'stop' strings must not be empty", "stop")
+        raise invalid("'stop' strings must not be empty", "stop")
     return tuple(dict.fromkeys(stops))
 
 
-def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+def optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    if kind is int and not _is_int(value):
-        raise _invalid(f"'{name}' must be an integer", name)
+    if kind is int and not is_int(value):
+        raise invalid(f"'{name}' must be an integer", name)
     if not isinstance(value, kind):
-        raise _invalid(f"'{name}' must be of type {_JSON_TYPE[kind]}", name)
+        raise invalid(f"'{name}' must be of type {_JSON_TYPE[kind]}", name)
     return value
 
 
-def _optional_number(body: dict[str, Any], name: str, default: float) -> float:
+def optional_number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _invalid(f"'{name}' must be a number", name)
+        raise invalid(f"'{name}' must be a number", name)
     return float(value)
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """JSON integers only: Python's bool is an int, but `true` is not a token count."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -274,11 +284,11 @@ def _is_int(value: object) -> bool:
 _JSON_TYPE = {bool: "boolean", dict: "object", int: "integer", str: "string"}
 
 
-def _invalid(message: str, param: str | None, *, code: str | None = None) -> ApiError:
+def invalid(message: str, param: str | None, *, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
-def _unsupported(message: str, param: str) -> ApiError:
+def unsupported(message: str, param: str) -> ApiError:
     return ApiError(400, message, param=param, code="unsupported_parameter")
 
 
@@ -287,15 +297,27 @@ def _unsupported(message: str, param: str) -> ApiError:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts; MTP drafts are OpenAI's prediction tokens (accepted or rejected)."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the conversation cache
+    drafted: int = 0
+    accepted: int = 0
 
-    def body(self) -> dict[str, int]:
-        return {
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.drafted:
+            body["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted,
+                "rejected_prediction_tokens": self.drafted - self.accepted,
+            }
+        return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,20 +337,27 @@ class ResponseIdentity:
 
 
 def chat_completion(
-    ident: ResponseIdentity, text: str, finish_reason: str, usage: Usage
+    ident: ResponseIdentity,
+    message: str | dict[str, Any],
+    finish_reason: str,
+    usage: Usage,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    """A whole chat completion; `message` is the assistant's text or its whole message."""
+    if isinstance(message, str):
+        message = {"role": "assistant", "content": message}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**ident.header("chat.completion"), "choices": [choice], "usage": usage.body()}
 
 
 def chat_chunk(
     ident: ResponseIdentity,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed choice delta: `{"role": ...}` first, then `{"content": ...}` pieces."""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    """One streamed choice delta: `{"role": ...}` first, then content, reasoning or calls."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**ident.header("chat.completion.chunk"), "choices": [choice]}
 
 
@@ -342,9 +371,10 @@ def text_completion(
     text: str,
     finish_reason: str | None,
     usage: Usage | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole text completion, or (usage None) one streamed piece of it: same object type."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     body = {**ident.header("text_completion"), "choices": [choice]}
     if usage is not None:
         body["usage"] = usage.body()

@@ -8,6 +8,7 @@ the model on the nodes that answer and loads it again, so the service comes back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -19,12 +20,17 @@ from aiohttp import web
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
+from cluster.decode.prefix_index import PrefixIndex
+from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
+from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.progress import transfer_fraction
+from coordinator.weights_host import WeightsHost
 from node.auth import TLSConfig
 from node.client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 RATE_WINDOW_S = 10.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class MeteredEngine:
@@ -51,12 +58,15 @@ class MeteredEngine:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         drafted = accepted = 0
-        async for chunk in self.engine.stream(request):
-            self.events.append((time.monotonic(), len(chunk.tokens)))
-            self.drafted += chunk.drafted - drafted
-            self.accepted += chunk.accepted - accepted
-            drafted, accepted = chunk.drafted, chunk.accepted
-            yield chunk
+        # Closed with this stream, not later by the garbage collector: the release (and the
+        # conversation cache's snapshot) is done before the HTTP response ends.
+        async with contextlib.aclosing(self.engine.stream(request)) as chunks:
+            async for chunk in chunks:
+                self.events.append((time.monotonic(), len(chunk.tokens)))
+                self.drafted += chunk.drafted - drafted
+                self.accepted += chunk.accepted - accepted
+                drafted, accepted = chunk.drafted, chunk.accepted
+                yield chunk
 
     def tokens_per_s(self) -> float:
         horizon = time.monotonic() - RATE_WINDOW_S
@@ -69,6 +79,7 @@ class MeteredEngine:
 class _Heard:
     info: pb.NodeInfo | None = None
     at: float = 0.0  # monotonic time of the last answer
+    rtt_ms: float = 0.0  # how long that answer took
 
 
 class Coordinator:
@@ -84,8 +95,12 @@ class Coordinator:
         concurrency: int = 8,
         node_model_dir: str | None = None,
         tls: TLSConfig | None = None,
+        serve_weights: bool = True,
+        weights_port: int = 0,
+        prefix_cache: bool = True,
     ):
         self.model_dir = model_dir
+        self.prefix_cache = prefix_cache
         self.tls = tls
         self.directory = directory
         self.token = token
@@ -102,10 +117,16 @@ class Coordinator:
         self._heard: dict[str, _Heard] = {}
         self._probes: dict[str, NodeClient] = {}
         self._tasks: list[asyncio.Task] = []
+        self.weights = (
+            WeightsHost(model_dir, token, tls, port=weights_port) if serve_weights else None
+        )
 
     # -- bring-up ---------------------------------------------------------------------------
 
     async def start(self, *, wait_for_nodes_s: float = 30.0) -> None:
+        if self.weights is not None:
+            await self.weights.start()
+            self._tasks.append(asyncio.create_task(self.weights.show_progress()))
         await self.directory.start()
         self._tasks.append(asyncio.create_task(self._poll_nodes()))
         deadline = time.monotonic() + wait_for_nodes_s
@@ -129,6 +150,8 @@ class Coordinator:
         for probe in self._probes.values():
             await probe.close()
         await self.directory.stop()
+        if self.weights is not None:
+            self.weights.stop()
 
     async def _capacities(self) -> list[NodeCapacity]:
         capacities = []
@@ -163,10 +186,12 @@ class Coordinator:
             ranges=ranges,
             node_model_dir=self.node_model_dir,
             tls=self.tls,
+            **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         if self.engine is None:
-            self.engine = MeteredEngine(GenerationEngine(pipeline))
+            index = PrefixIndex() if self.prefix_cache else None
+            self.engine = MeteredEngine(GenerationEngine(pipeline, prefix_index=index))
         else:
             self.engine.engine.pipeline = pipeline
         if old is not None:
@@ -193,8 +218,10 @@ class Coordinator:
             client = self._probes[node.address] = NodeClient(node.address, self.token, self.tls)
         heard = self._heard.setdefault(node.address, _Heard())
         try:
+            asked = time.monotonic()
             heard.info = await client.info(timeout=DOWN_AFTER_S - HEARTBEAT_S)
             heard.at = time.monotonic()
+            heard.rtt_ms = (heard.at - asked) * 1000
         except Exception as error:  # any failure means: not up now
             log.debug("node %s: %s", node.address, error)
             return None
@@ -240,11 +267,24 @@ class Coordinator:
             memory_total_bytes=info.memory_total_bytes,
             step_latency_ms=info.step_latency_ms,
             device=info.device,
+            weights_fraction=transfer_fraction(info),
+            steps_total=info.steps_total,
+            batches_total=info.batches_total,
+            busy_seconds_total=info.busy_seconds_total,
+            rtt_ms=heard.rtt_ms,
+            next_hop_rtt_ms=info.next_hop_rtt_ms,
+            chip=info.chip,
+            os=info.os,
+            cpu_count=info.cpu_count,
+            prefix_snapshots=info.prefix_snapshots,
+            prefix_snapshot_bytes=info.prefix_snapshot_bytes,
+            prefix_budget_bytes=info.prefix_budget_bytes,
         )
 
     def stats(self) -> ClusterStats:
         engine = self.engine
         drafted = engine.drafted if engine else 0
+        index = engine.engine.prefix_index if engine else None
         return ClusterStats(
             tokens_per_s=engine.tokens_per_s() if engine else 0.0,
             acceptance_rate=(engine.accepted / drafted) if drafted else 0.0,
@@ -252,6 +292,9 @@ class Coordinator:
             requests_total=self.counters.requests_total,
             errors_total=self.counters.errors_total,
             model_id=self.model_dir.name,
+            prefix_cache_hits=index.stats.hits if index else 0,
+            prefix_cache_saved_tokens=index.stats.cached_tokens if index else 0,
+            prefix_cache_entries=len(index) if index else 0,
         )
 
 
@@ -270,8 +313,15 @@ async def run_coordinator(
     announce: bool = True,
     started: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    api_keys: ApiKeys | None = None,
+    mtp_depth: MtpDepth = 1,
+    weights_port: int = 0,
+    prefix_cache: bool = True,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
+    api_keys = api_keys or ApiKeys()
+    if not api_keys.enabled and host not in LOOPBACK_HOSTS:
+        log.warning("serving on %s without an API key: anyone who reaches it may use it", host)
     directory = NodeDirectory(nodes, browse=browse)
     coordinator = Coordinator(
         model_dir,
@@ -281,6 +331,8 @@ async def run_coordinator(
         use_all=use_all,
         concurrency=max_running,
         tls=tls,
+        weights_port=weights_port,
+        prefix_cache=prefix_cache,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()
@@ -293,6 +345,8 @@ async def run_coordinator(
             max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
         ),
         counters=coordinator.counters,
+        api_keys=api_keys,
+        mtp_depth=mtp_depth,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
 LOAD_TIMEOUT_S = 900.0
+# A load that may fetch the shard's weights first (tens of GB over a slow link); a dead peer
+# still surfaces within seconds through the channels' keepalive.
+FETCHING_LOAD_TIMEOUT_S = 12 * 3600.0
 
 
 class NodeUnavailable(ConnectionError):
@@ -64,11 +68,25 @@ class NodeClient:
         return info
 
     async def load_shard(self, request: pb.LoadShardRequest) -> pb.NodeInfo:
-        return await self._call(self.stub.LoadShard, request, LOAD_TIMEOUT_S)
+        timeout = FETCHING_LOAD_TIMEOUT_S if request.model_digest else LOAD_TIMEOUT_S
+        return await self._call(self.stub.LoadShard, request, timeout)
 
     async def release(self, request_id: str) -> bool:
         reply = await self._call(self.stub.Release, pb.ReleaseRequest(request_id=request_id))
         return reply.released
+
+    async def release_as_prefix(self, request_id: str, snapshot_id: int, positions: int) -> bool:
+        """Release, keeping the first `positions` positions as a prefix snapshot; whether the
+        node keeps it."""
+        request = pb.ReleaseRequest(
+            request_id=request_id, prefix_save=snapshot_id, prefix_positions=positions
+        )
+        reply = await self._call(self.stub.Release, request)
+        return reply.prefix_saved
+
+    async def drop_prefix_snapshots(self, snapshot_ids: list[int]) -> int:
+        request = pb.PrefixSnapshotDropRequest(snapshot_ids=snapshot_ids)
+        return (await self._call(self.stub.DropPrefixSnapshots, request)).dropped
 
     async def rollback(self, request_id: str, drop: int) -> int:
         reply = await self._call(
@@ -113,6 +131,8 @@ class RemotePipeline:
         self._releases: set[asyncio.Task] = set()
         self.failure: NodeUnavailable | None = None
         self.messages_sent = 0
+        # Told the ids of prefix snapshots a node no longer holds (cluster.decode.prefix_index).
+        self.on_prefix_dropped: Callable[[list[int]], None] | None = None
 
     @property
     def max_context(self) -> int:
@@ -169,6 +189,33 @@ class RemotePipeline:
             self._releases.add(releasing)
             releasing.add_done_callback(self._releases.discard)
 
+    async def release_as_prefix(self, request_id: str, snapshot_id: int, positions: int) -> bool:
+        """Release on every node, each keeping the first `positions` positions as the prefix
+        snapshot `snapshot_id`; False (and dropped wherever kept) unless every node keeps it."""
+        for future in self._pending.pop(request_id, ()):
+            future.cancel()
+        if self.failure is not None:
+            await self.release(request_id)
+            return False
+        replies = await asyncio.gather(
+            *(c.release_as_prefix(request_id, snapshot_id, positions) for c in self.clients),
+            return_exceptions=True,
+        )
+        if all(reply is True for reply in replies):
+            return True
+        await self.drop_prefixes([snapshot_id])
+        return False
+
+    async def drop_prefixes(self, snapshot_ids: Iterable[int]) -> None:
+        ids = list(snapshot_ids)
+        results = await asyncio.gather(
+            *(client.drop_prefix_snapshots(ids) for client in self.clients),
+            return_exceptions=True,
+        )
+        for client, result in zip(self.clients, results, strict=True):
+            if isinstance(result, Exception):
+                log.debug("dropping prefix snapshots on %s failed: %s", client.describe(), result)
+
     async def _release(self, request_id: str) -> None:
         results = await asyncio.gather(
             *(client.release(request_id) for client in self.clients), return_exceptions=True
@@ -207,6 +254,8 @@ class RemotePipeline:
         try:
             async for batch in call:
                 results, errors = results_from_proto(batch)
+                if batch.prefix_dropped and self.on_prefix_dropped is not None:
+                    self.on_prefix_dropped(list(batch.prefix_dropped))
                 for result in results:
                     self._resolve(result.request_id, result=result)
                 for request_id, code, message in errors:
@@ -277,8 +326,14 @@ async def load_pipeline(
     dtype: str = "",
     cache_budget_bytes: int | None = None,
     tls: TLSConfig | None = None,
+    model_digest: str = "",
+    weights_port: int = 0,
+    prefix_budget_bytes: int | None = None,
 ) -> RemotePipeline:
-    """Load the shards (evenly split unless `ranges`) and open the streams."""
+    """Load the shards (evenly split unless `ranges`) and open the streams.
+
+    With `model_digest` and `weights_port` (the caller's Weights service), a node that lacks a
+    verified copy of its shard's tensors fetches them from the caller first."""
     if not token:
         raise ValueError("a cluster token is needed to talk to nodes (--token or CLUSTER_TOKEN)")
     config = load_model_config(model_dir)
@@ -302,9 +357,13 @@ async def load_pipeline(
                 dtype=dtype,
                 next_node=addresses[i + 1] if i + 1 < len(addresses) else "",
                 model_id=Path(model_dir).name,
+                model_digest=model_digest,
+                weights_port=weights_port,
             )
             if cache_budget_bytes is not None:
                 request.cache_budget_bytes = cache_budget_bytes
+            if prefix_budget_bytes is not None:
+                request.prefix_budget_bytes = prefix_budget_bytes
             requests.append(request)
         await asyncio.gather(*(c.load_shard(r) for c, r in zip(clients, requests, strict=True)))
     except BaseException:

@@ -29,8 +29,11 @@ from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
+from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
+from node.hardware import this_machine
+from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -49,11 +52,15 @@ def device_name() -> str:
     return f"{platform.machine()} CPU"
 
 
+MEMORY_CAP_BYTES: int | None = None  # `cluster node --memory-gb`
+
+
 def total_memory_bytes() -> int:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return 0
+        total = 0
+    return min(total, MEMORY_CAP_BYTES) if MEMORY_CAP_BYTES is not None else total
 
 
 def process_memory_bytes() -> int:
@@ -74,8 +81,11 @@ class NodeService(pb_grpc.NodeServicer):
         cache_budget_bytes: int | None = None,
         idle_timeout_s: float = 600.0,
         tls: TLSConfig | None = None,
+        weights_store: WeightsStore | None = None,
+        prefix_budget_bytes: int | None = None,
     ):
         self.token = token
+        self.prefix_budget_bytes = prefix_budget_bytes
         self.tls = tls  # also used to dial the next node
         self.node_id = node_id
         self.cache_budget_bytes = cache_budget_bytes
@@ -87,6 +97,12 @@ class NodeService(pb_grpc.NodeServicer):
         self.weights_bytes = 0
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()
+        self.weights = ShardWeights(
+            weights_store or WeightsStore(default_cache_dir()),
+            token=token,
+            node_id=node_id,
+            tls=tls,
+        )
         self._sweeper = asyncio.create_task(self._sweep_idle())
 
     async def close(self) -> None:
@@ -110,9 +126,12 @@ class NodeService(pb_grpc.NodeServicer):
             try:
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
+                model_dir = await self.weights.model_dir(request, context.peer())
                 shard = await self.worker.run(
-                    load_shard, Path(request.model_dir), spec, dtype=dtype, for_decoding=True
+                    load_shard, model_dir, spec, dtype=dtype, for_decoding=True
                 )
+            except ShardWeightsError as error:
+                await context.abort(error.code, f"cannot load shard: {error}")
             except (ModelDirError, ValueError, OSError, AttributeError) as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load shard: {error}")
             budget = (
@@ -120,7 +139,14 @@ class NodeService(pb_grpc.NodeServicer):
                 if request.HasField("cache_budget_bytes")
                 else self.cache_budget_bytes
             )
-            runner = ShardRunner(shard, cache_budget_bytes=budget)
+            prefix_budget = (
+                request.prefix_budget_bytes
+                if request.HasField("prefix_budget_bytes")
+                else self.prefix_budget_bytes
+            )
+            runner = ShardRunner(
+                shard, cache_budget_bytes=budget, prefix_budget_bytes=prefix_budget
+            )
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
             self.stage = Stage(
                 runner,
@@ -170,12 +196,28 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseReply:
         stage = await self._require_stage(context)
-        released = await self.worker.run(stage.runner.release, request.request_id)
-        if not released:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"unknown request id {request.request_id!r}"
+        runner, rid = stage.runner, request.request_id
+        held = rid in runner.requests
+        saved = False
+        if held and request.prefix_save:
+            saved, dropped = await self.worker.run(
+                runner.release_as_prefix, rid, request.prefix_save, request.prefix_positions
             )
-        return pb.ReleaseReply(released=released)
+            if dropped:
+                self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped))
+        else:
+            held = await self.worker.run(runner.release, rid)
+        if not held:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request id {rid!r}")
+        return pb.ReleaseReply(released=held, prefix_saved=saved)
+
+    async def DropPrefixSnapshots(
+        self, request: pb.PrefixSnapshotDropRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefixSnapshotDropReply:
+        stage = await self._require_stage(context)
+        ids = list(request.snapshot_ids)
+        dropped = await self.worker.run(stage.runner.snapshots.drop, ids)
+        return pb.PrefixSnapshotDropReply(dropped=len(dropped))
 
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
@@ -197,6 +239,7 @@ class NodeService(pb_grpc.NodeServicer):
         return self.stage
 
     def _info(self) -> pb.NodeInfo:
+        hardware = this_machine()
         info = pb.NodeInfo(
             node_id=self.node_id,
             version=__version__,
@@ -205,7 +248,11 @@ class NodeService(pb_grpc.NodeServicer):
             memory_used_bytes=process_memory_bytes(),
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
+            chip=hardware.chip,
+            os=hardware.os,
+            cpu_count=hardware.cpu_count,
         )
+        self.weights.fill_info(info)
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
             info.shard.CopyFrom(
@@ -225,6 +272,15 @@ class NodeService(pb_grpc.NodeServicer):
             info.active_requests = len(runner.requests)
             info.steps_total = stats.messages_in
             info.step_latency_ms = stats.mean_latency_ms
+            info.positions_computed = runner.positions_computed
+            info.prefix_snapshots = len(runner.snapshots)
+            info.prefix_snapshot_bytes = runner.snapshots.nbytes
+            info.prefix_budget_bytes = runner.snapshots.budget_bytes
+            info.prefix_resumes = runner.snapshots.resumes
+            info.busy_seconds_total = stats.busy_s_total
+            info.batches_total = stats.batches_total
+            if self.stage.hop_probe is not None:
+                info.next_hop_rtt_ms = self.stage.hop_probe.mean_rtt_ms
         return info
 
     async def _sweep_idle(self) -> None:
@@ -247,6 +303,8 @@ async def serve(
     advertise: bool = False,
     ready: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    weights_store: WeightsStore | None = None,
+    prefix_budget_bytes: int | None = None,
 ) -> None:
     """Run a node until cancelled."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
@@ -256,6 +314,8 @@ async def serve(
         cache_budget_bytes=cache_budget_bytes,
         idle_timeout_s=idle_timeout_s,
         tls=tls,
+        weights_store=weights_store,
+        prefix_budget_bytes=prefix_budget_bytes,
     )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
@@ -301,13 +361,31 @@ async def serve(
 @click.command("node")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=50151, show_default=True)
-@click.option("--token", envvar="CLUSTER_TOKEN", required=True, help="Cluster secret.")
+@click.option("--token", envvar="CLUSTER_TOKEN", default=None, help="Cluster secret.")
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Read the cluster secret from this file (mode 0600): kept off the command line.",
+)
 @click.option("--node-id", default=None, help="Name shown in the coordinator.")
+@click.option(
+    "--memory-gb",
+    type=float,
+    default=None,
+    help="Report at most this much memory to the planner [default: the machine's].",
+)
 @click.option(
     "--cache-budget-gb",
     type=float,
     default=None,
     help="Memory for request caches on this node (default: unlimited).",
+)
+@click.option(
+    "--prefix-cache-gb",
+    type=float,
+    default=None,
+    help="Memory for conversation (prefix) snapshots on this node [default: 1].",
 )
 @click.option(
     "--idle-timeout",
@@ -336,19 +414,59 @@ async def serve(
     default=None,
     help="The certificate's private key (PEM).",
 )
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where fetched weights are cached [default: ~/.cache/cluster/models].",
+)
+@click.option(
+    "--cache-cap-gb",
+    type=float,
+    default=None,
+    help="Disk cap of the weights cache; least recently used models are evicted.",
+)
 def node_command(
     host: str,
     port: int,
-    token: str,
+    token: str | None,
+    token_file: Path | None,
     node_id: str | None,
+    memory_gb: float | None,
     cache_budget_gb: float | None,
+    prefix_cache_gb: float | None,
     idle_timeout: float,
     advertise: bool,
     tls_cert: str | None,
     tls_key: str | None,
+    cache_dir: Path | None,
+    cache_cap_gb: float | None,
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
+    if token_file is not None:
+        from cluster.secret import read_secret
+
+        try:
+            token = read_secret(token_file)
+        except OSError as error:
+            raise click.BadParameter(str(error), param_hint="--token-file") from error
+    if not token:
+        raise click.UsageError("give the cluster secret: --token-file, --token or CLUSTER_TOKEN")
+    if memory_gb is not None and memory_gb <= 0:
+        raise click.BadParameter("--memory-gb must be positive")
+    if memory_gb is not None:
+        global MEMORY_CAP_BYTES
+        MEMORY_CAP_BYTES = int(memory_gb * 2**30)
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
+    if prefix_cache_gb is not None and prefix_cache_gb < 0:
+        raise click.BadParameter("--prefix-cache-gb must be >= 0")
+    prefix_budget = int(prefix_cache_gb * 2**30) if prefix_cache_gb is not None else None
+    if cache_cap_gb is not None and cache_cap_gb <= 0:
+        raise click.BadParameter("--cache-cap-gb must be positive")
+    store = WeightsStore(
+        cache_dir or default_cache_dir(),
+        int(cache_cap_gb * 2**30) if cache_cap_gb is not None else None,
+    )
     try:
         tls = TLSConfig.from_files(tls_cert, tls_key)
         if tls is not None:
@@ -363,6 +481,8 @@ def node_command(
                 idle_timeout_s=idle_timeout,
                 advertise=advertise,
                 tls=tls,
+                weights_store=store,
+                prefix_budget_bytes=prefix_budget,
             )
         )
     except KeyboardInterrupt:

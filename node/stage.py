@@ -31,6 +31,7 @@ from cluster.wire import (
     step_batch_to_proto,
 )
 from node.auth import TLSConfig, open_channel, token_metadata
+from node.hop_probe import HopProbe
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -82,6 +83,8 @@ class _Inbound:
 @dataclass(slots=True)
 class StageStats:
     messages_in: int = 0
+    batches_total: int = 0
+    busy_s_total: float = 0.0  # compute time of every batch: busy share = its rate of growth
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
 
     @property
@@ -131,6 +134,7 @@ class Stage:
         self.worker = worker
         self.subscribers = subscribers
         self.downstream = Downstream(next_node, token, tls) if next_node else None
+        self.hop_probe = HopProbe(next_node, token, tls) if next_node else None
         self.max_batch_positions = max_batch_positions
         self.stats = StageStats()
         self._inbound: deque[_Inbound] = deque()
@@ -148,6 +152,8 @@ class Stage:
         self._task.cancel()
         if self.downstream:
             await self.downstream.close()
+        if self.hop_probe:
+            await self.hop_probe.close()
 
     async def _loop(self) -> None:
         while True:
@@ -173,10 +179,15 @@ class Stage:
 
     async def _process(self, batch: list[_Inbound]) -> None:
         started = time.perf_counter()
-        output, errors = await self.worker.run(self._compute, batch)
-        self.stats.latencies_ms.append((time.perf_counter() - started) * 1000)
+        output, errors, dropped = await self.worker.run(self._compute, batch)
+        elapsed = time.perf_counter() - started
+        self.stats.latencies_ms.append(elapsed * 1000)
+        self.stats.busy_s_total += elapsed
+        self.stats.batches_total += 1
         if errors:
             self.subscribers.publish(results_to_proto([], errors))
+        if dropped:  # the driver drops them on every node
+            self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped))
         if output is None:
             return
         if self.downstream is None:
@@ -193,8 +204,11 @@ class Stage:
 
     def _compute(
         self, batch: list[_Inbound]
-    ) -> tuple[pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]]]:
-        """On the MLX worker: decode, run the shard, encode."""
+    ) -> tuple[
+        pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]
+    ]:
+        """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
+        the shard no longer holds."""
         errors: list[tuple[str, grpc.StatusCode, str]] = []
         steps: list[StepRequest] = []
         hidden: list[mx.array] = []
@@ -213,7 +227,7 @@ class Stage:
             if h is not None:
                 hidden.append(h)
         if not steps:
-            return None, errors
+            return None, errors, []
         x = None
         if hidden:
             x = hidden[0] if len(hidden) == 1 else mx.concatenate(hidden, axis=1)
@@ -221,11 +235,12 @@ class Stage:
         errors += [(rid, status_of(e), str(e)) for rid, e in out.errors.items()]
         for rid in out.errors:  # a failed request is dropped on this node too
             self.runner.release(rid)
+        dropped = out.prefix_dropped
         if not out.steps:
-            return None, errors
+            return None, errors, dropped
         if out.hidden is None:
-            return results_to_proto(out.results, []), errors
-        return step_batch_to_proto(out.steps, out.hidden, 0), errors
+            return results_to_proto(out.results, []), errors, dropped
+        return step_batch_to_proto(out.steps, out.hidden, 0), errors, dropped
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

@@ -41,7 +41,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,21 @@ class NodeInfo(_message.Message):
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_RESUMES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -68,10 +83,25 @@ class NodeInfo(_message.Message):
     steps_total: int
     step_latency_ms: float
     uptime_s: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    weights_fetched_bytes: int
+    weights_fetch_total_bytes: int
+    weights_received_bytes: int
+    cached_models: _containers.RepeatedCompositeFieldContainer[WeightsCachedModel]
+    positions_computed: int
+    prefix_snapshots: int
+    prefix_snapshot_bytes: int
+    prefix_budget_bytes: int
+    prefix_resumes: int
+    busy_seconds_total: float
+    batches_total: int
+    next_hop_rtt_ms: float
+    chip: str
+    os: str
+    cpu_count: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +111,10 @@ class LoadShardRequest(_message.Message):
     NEXT_NODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
     end: int
@@ -90,7 +124,11 @@ class LoadShardRequest(_message.Message):
     next_node: str
     cache_budget_bytes: int
     model_id: str
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    model_digest: str
+    weights_port: int
+    weights_address: str
+    prefix_budget_bytes: int
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -107,17 +145,23 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RequestOptions(_message.Message):
-    __slots__ = ("sampling", "mtp", "logprobs")
+    __slots__ = ("sampling", "mtp", "logprobs", "top_logprobs", "mtp_depth", "mtp_depth_auto")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MTP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MTP_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MTP_DEPTH_AUTO_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
     mtp: bool
     logprobs: bool
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    mtp_depth: int
+    mtp_depth_auto: bool
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options")
+    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "token_masks", "prefix_from", "prefix_save")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +169,9 @@ class StepEntry(_message.Message):
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     position: int
@@ -132,7 +179,10 @@ class StepEntry(_message.Message):
     rollback: int
     sample: bool
     options: RequestOptions
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ...) -> None: ...
+    token_masks: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_from: int
+    prefix_save: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("entries", "hidden", "sequence")
@@ -155,24 +205,34 @@ class ResultsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ResultEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "keep", "draft", "drafted", "accepted", "logprobs", "has_logprobs")
+    __slots__ = ("request_id", "tokens", "keep", "drafts", "drafted", "accepted", "logprobs", "has_logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     keep: int
-    draft: int
+    drafts: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     accepted: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     has_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., keep: _Optional[int] = ..., draft: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., keep: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("tokens", "logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("request_id", "code", "message")
@@ -185,24 +245,44 @@ class StepError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
-    __slots__ = ("results", "errors")
+    __slots__ = ("results", "errors", "prefix_dropped")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DROPPED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ResultEntry]
     errors: _containers.RepeatedCompositeFieldContainer[StepError]
-    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ...) -> None: ...
+    prefix_dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ..., prefix_dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "prefix_save", "prefix_positions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    prefix_save: int
+    prefix_positions: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix_save: _Optional[int] = ..., prefix_positions: _Optional[int] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "prefix_saved")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SAVED_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    prefix_saved: bool
+    def __init__(self, released: _Optional[bool] = ..., prefix_saved: _Optional[bool] = ...) -> None: ...
+
+class PrefixSnapshotDropRequest(_message.Message):
+    __slots__ = ("snapshot_ids",)
+    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixSnapshotDropReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("request_id", "drop")
@@ -219,3 +299,67 @@ class RollbackReply(_message.Message):
     applied: bool
     position: int
     def __init__(self, applied: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...
+
+class WeightsManifestRequest(_message.Message):
+    __slots__ = ("model_digest",)
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    def __init__(self, model_digest: _Optional[str] = ...) -> None: ...
+
+class WeightsManifestReply(_message.Message):
+    __slots__ = ("manifest_json",)
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: bytes
+    def __init__(self, manifest_json: _Optional[bytes] = ...) -> None: ...
+
+class WeightsChunkRef(_message.Message):
+    __slots__ = ("tensor", "chunk")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    chunk: int
+    def __init__(self, tensor: _Optional[str] = ..., chunk: _Optional[int] = ...) -> None: ...
+
+class WeightsFetchRequest(_message.Message):
+    __slots__ = ("model_digest", "node_id", "start", "end", "is_head", "is_tail", "chunks", "files", "total_bytes")
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    IS_HEAD_FIELD_NUMBER: _ClassVar[int]
+    IS_TAIL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    node_id: str
+    start: int
+    end: int
+    is_head: bool
+    is_tail: bool
+    chunks: _containers.RepeatedCompositeFieldContainer[WeightsChunkRef]
+    files: _containers.RepeatedScalarFieldContainer[str]
+    total_bytes: int
+    def __init__(self, model_digest: _Optional[str] = ..., node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[WeightsChunkRef, _Mapping]]] = ..., files: _Optional[_Iterable[str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class WeightsCachedModel(_message.Message):
+    __slots__ = ("digest", "name", "disk_bytes", "model_bytes", "present_bytes", "last_used")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    name: str
+    disk_bytes: int
+    model_bytes: int
+    present_bytes: int
+    last_used: float
+    def __init__(self, digest: _Optional[str] = ..., name: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., present_bytes: _Optional[int] = ..., last_used: _Optional[float] = ...) -> None: ...

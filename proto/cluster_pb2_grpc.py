@@ -65,6 +65,11 @@ class NodeStub:
                 request_serializer=proto_dot_cluster__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=proto_dot_cluster__pb2.RollbackReply.FromString,
                 _registered_method=True)
+        self.DropPrefixSnapshots = channel.unary_unary(
+                '/cluster.v1.Node/DropPrefixSnapshots',
+                request_serializer=proto_dot_cluster__pb2.PrefixSnapshotDropRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.PrefixSnapshotDropReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -114,6 +119,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropPrefixSnapshots(self, request, context):
+        """Conversation cache (issue 12): forget prefix snapshots (evicted by the driver's index, or
+        dropped by another node so no longer usable on all of them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=proto_dot_cluster__pb2.RollbackRequest.FromString,
                     response_serializer=proto_dot_cluster__pb2.RollbackReply.SerializeToString,
+            ),
+            'DropPrefixSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPrefixSnapshots,
+                    request_deserializer=proto_dot_cluster__pb2.PrefixSnapshotDropRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.PrefixSnapshotDropReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,167 @@ class Node:
             '/cluster.v1.Node/Rollback',
             proto_dot_cluster__pb2.RollbackRequest.SerializeToString,
             proto_dot_cluster__pb2.RollbackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPrefixSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cluster.v1.Node/DropPrefixSnapshots',
+            proto_dot_cluster__pb2.PrefixSnapshotDropRequest.SerializeToString,
+            proto_dot_cluster__pb2.PrefixSnapshotDropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WeightsStub:
+    """---- weights to nodes (issue 8) -------------------------------------------------------------
+
+    Served by the coordinator: a node that lacks tensors of its shard asks for the manifest (what
+    the model is, by content), then streams exactly the chunks it misses. Tensors and files are
+    named, never paths: the service reads only files that its manifest lists, inside the model
+    directory.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WeightsManifest = channel.unary_unary(
+                '/cluster.v1.Weights/WeightsManifest',
+                request_serializer=proto_dot_cluster__pb2.WeightsManifestRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.WeightsManifestReply.FromString,
+                _registered_method=True)
+        self.WeightsFetch = channel.unary_stream(
+                '/cluster.v1.Weights/WeightsFetch',
+                request_serializer=proto_dot_cluster__pb2.WeightsFetchRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.WeightsChunk.FromString,
+                _registered_method=True)
+
+
+class WeightsServicer:
+    """---- weights to nodes (issue 8) -------------------------------------------------------------
+
+    Served by the coordinator: a node that lacks tensors of its shard asks for the manifest (what
+    the model is, by content), then streams exactly the chunks it misses. Tensors and files are
+    named, never paths: the service reads only files that its manifest lists, inside the model
+    directory.
+    """
+
+    def WeightsManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WeightsFetch(self, request, context):
+        """One message per chunk, in the order asked for (cluster.weights.service).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WeightsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WeightsManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.WeightsManifest,
+                    request_deserializer=proto_dot_cluster__pb2.WeightsManifestRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.WeightsManifestReply.SerializeToString,
+            ),
+            'WeightsFetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.WeightsFetch,
+                    request_deserializer=proto_dot_cluster__pb2.WeightsFetchRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.WeightsChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'cluster.v1.Weights', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('cluster.v1.Weights', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Weights:
+    """---- weights to nodes (issue 8) -------------------------------------------------------------
+
+    Served by the coordinator: a node that lacks tensors of its shard asks for the manifest (what
+    the model is, by content), then streams exactly the chunks it misses. Tensors and files are
+    named, never paths: the service reads only files that its manifest lists, inside the model
+    directory.
+    """
+
+    @staticmethod
+    def WeightsManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cluster.v1.Weights/WeightsManifest',
+            proto_dot_cluster__pb2.WeightsManifestRequest.SerializeToString,
+            proto_dot_cluster__pb2.WeightsManifestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WeightsFetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cluster.v1.Weights/WeightsFetch',
+            proto_dot_cluster__pb2.WeightsFetchRequest.SerializeToString,
+            proto_dot_cluster__pb2.WeightsChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,7 +33,12 @@ INTERMEDIATE = 128
 EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE, SHARED_INTERMEDIATE = 4, 2, 64, 64
 VOCAB = 8192  # the bundled model's, so that its tokenizer fits
 FULL_ATTENTION_INTERVAL = 4
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 MTPExperts = Literal["per_expert", "fused"]
 

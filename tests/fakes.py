@@ -26,6 +26,7 @@ from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
+from coordinator.api_keys import ApiKeys
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "cluster" / "assets" / "qwen3_5-tiny-mtp"
@@ -209,6 +210,7 @@ def serve(
     max_queued: int = 8,
     queue_timeout_s: float = 10.0,
     handler_cancellation: bool = True,
+    api_keys: ApiKeys | None = None,
 ) -> Iterator[Served]:
     """The coordinator app around `engine`, served until the block ends."""
     view = view or FakeClusterView()
@@ -220,6 +222,7 @@ def serve(
         model_id=MODEL_ID,
         admission=admission,
         counters=view.counters,
+        api_keys=api_keys,
     )
     served = ServedApp(app, handler_cancellation=handler_cancellation)
     served.start()

@@ -110,22 +110,30 @@ def _command() -> list[str]:
 
 
 def start_nodes(
-    count: int, log_dir: Path, *, token: str = TOKEN, tls: tuple[Path, Path] | None = None
+    count: int,
+    log_dir: Path,
+    *,
+    token: str = TOKEN,
+    tls: tuple[Path, Path] | None = None,
+    args: Callable[[int], list[str]] | None = None,
+    env: Callable[[int], dict[str, str]] | None = None,
 ) -> NodeGroup:
     """Start `count` nodes at once (they load in parallel) and wait until each answers Info.
-    `tls` is (certificate, key): the nodes then serve TLS only."""
+    `tls` is (certificate, key): the nodes then serve TLS only. `args(i)` adds options to the
+    i-th node's command line, `env(i)` to its environment."""
     tls_args = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     nodes = []
     try:
-        for _ in range(count):
+        for i in range(count):
             log_path = log_dir / f"node-{len(list(log_dir.iterdir()))}.log"
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
                     [*_command(), "-v", "node", "--host", "127.0.0.1", "--port", "0",
-                     "--token", token, "--no-advertise", *tls_args],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                     "--token", token, "--no-advertise", *tls_args, *(args(i) if args else [])],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env={**base_env, **(env(i) if env else {})},
                 )  # fmt: skip
             nodes.append(NodeProcess(process, log_path))
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -197,13 +205,21 @@ class _LogsOnFailure:
 def node_factory(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., NodeGroup]]:
-    """`node_factory(count, token=TOKEN) -> NodeGroup`; every node is killed at teardown."""
+    """`node_factory(count, token=TOKEN, tls=, args=, env=) -> NodeGroup` (see `start_nodes`);
+    every node is killed at teardown."""
     log_dir = tmp_path_factory.mktemp("node-logs")
     plugin = _LogsOnFailure(request.module)
     request.config.pluginmanager.register(plugin)
 
-    def make(count: int, *, token: str = TOKEN, tls: tuple[Path, Path] | None = None) -> NodeGroup:
-        group = start_nodes(count, log_dir, token=token, tls=tls)
+    def make(
+        count: int,
+        *,
+        token: str = TOKEN,
+        tls: tuple[Path, Path] | None = None,
+        args: Callable[[int], list[str]] | None = None,
+        env: Callable[[int], dict[str, str]] | None = None,
+    ) -> NodeGroup:
+        group = start_nodes(count, log_dir, token=token, tls=tls, args=args, env=env)
         plugin.nodes += group.nodes
         return group
 

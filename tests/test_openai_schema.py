@@ -1,5 +1,5 @@
-"""coordinator.openai_schema: what request bodies are accepted, how refusals read, and the
-shape of the response objects OpenAI clients parse."""
+"""coordinator.openai_schema and coordinator.chat_request: what request bodies are accepted,
+how refusals read, and the shape of the response objects OpenAI clients parse."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from cluster.messages import SamplingParams
+from coordinator.chat_request import ToolChoice, parse_chat_request
 from coordinator.openai_schema import (
     ApiError,
     ResponseIdentity,
     Usage,
     chat_chunk,
     chat_completion,
-    parse_chat_request,
     parse_completion_request,
     text_completion,
 )
@@ -86,7 +86,67 @@ BAD_CHAT = [
     (_chat(n=2), 400, "n", None),
     (_chat(stream="yes"), 400, "stream", None),
     (_chat(stream_options={"include_usage": "yes"}), 400, "stream_options", None),
-    (_chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    (_chat(stream_options={"continuous_usage_stats": True}), 400, "stream_options", None),
+    (_chat(logprobs="yes"), 400, "logprobs", None),
+    (_chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
+    (_chat(top_logprobs=2), 400, "top_logprobs", None),  # without logprobs: true
+    # Nothing is silently dropped: unknown fields, and known ones we cannot honour.
+    (_chat(frobnicate=1), 400, "frobnicate", "unknown_parameter"),
+    (_chat(functions=[]), 400, "functions", "unknown_parameter"),
+    (_chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
+    (_chat(frequency_penalty=-1), 400, "frequency_penalty", "unsupported_parameter"),
+    (_chat(logit_bias={"5": 3}), 400, "logit_bias", "unsupported_parameter"),
+    (
+        _chat(
+            response_format={"type": "json_object"},
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        ),
+        400,
+        "response_format",
+        "unsupported_parameter",
+    ),
+    (
+        _chat(response_format={"type": "json_schema", "json_schema": {}}),
+        400,
+        "response_format",
+        None,
+    ),
+    (
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
+        400,
+        "response_format",
+        None,
+    ),
+    (_chat(response_format={"type": "json_object", "x": 1}), 400, "response_format", None),
+    (_chat(response_format={"type": "yaml"}), 400, "response_format", None),
+    (_chat(parallel_tool_calls="no"), 400, "parallel_tool_calls", None),
+    (_chat(messages=[{"role": "user", "content": "x", "audio": {}}]), 400, "messages[0]", None),
+    (_chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0]", None),
+    (
+        _chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]),
+        400,
+        "messages[0].tool_calls[0]",
+        None,
+    ),
+    (_chat(tools=[{"type": "function"}]), 400, "tools[0]", None),
+    (
+        _chat(tools=[{"type": "function", "function": {"name": "f", "strict": True}}]),
+        400,
+        "tools[0]",
+        "unsupported_parameter",
+    ),
+    (_chat(tool_choice="required"), 400, "tool_choice", None),
+    (
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+        None,
+    ),
+    (_chat(chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs", None),
+    (_chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs", None),
 ]
 
 BAD_COMPLETION = [
@@ -95,7 +155,10 @@ BAD_COMPLETION = [
     (_completion(prompt=5), 400, "prompt", None),
     (_completion(prompt=["a", "b"]), 400, "prompt", None),
     (_completion(prompt=[1, -2]), 400, "prompt", None),
-    (_completion(logprobs=3), 400, "logprobs", "unsupported_parameter"),
+    (_completion(logprobs=21), 400, "logprobs", None),
+    (_completion(logprobs=True), 400, "logprobs", None),
+    (_completion(best_of=2), 400, "best_of", None),
+    (_completion(max_completion_tokens=5), 400, "max_completion_tokens", "unknown_parameter"),
     (_completion(echo=True), 400, "echo", "unsupported_parameter"),
     (_completion(max_tokens=0), 400, "max_tokens", None),
     (_completion(temperature=-1), 400, "temperature", None),
@@ -135,14 +198,22 @@ def test_chat_request_is_parsed_fully():
         stream_options={"include_usage": True},
         n=1,
         logprobs=False,
-        presence_penalty=0,  # unknown to us and harmless: ignored
+        presence_penalty=0,  # its no-op value: accepted
+        user="someone",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        chat_template_kwargs={"enable_thinking": True},
+        response_format={"type": "text"},
     )
     chat = parse_chat_request(raw, model_id=MODEL, max_context=CONTEXT)
     assert [(m.role, m.content) for m in chat.messages] == [
         ("system", "be brief"),
         ("user", "hi there"),
     ]
+    assert chat.tool_choice == ToolChoice("function", "f") and len(chat.offered_tools) == 1
+    assert chat.template_kwargs == {"enable_thinking": True}
     params = chat.params
+    assert params.top_logprobs is None
     assert params.sampling == SamplingParams(0.7, 0.9, 20, 0.05, 7)
     assert (params.max_tokens, params.stop, params.stream, params.include_usage) == (
         99,
@@ -183,6 +254,23 @@ def test_completion_prompts():
     assert prompt([[4, 5]]) == (4, 5)
 
 
+def test_logprobs_requests():
+    def chat(**fields: Any) -> int | None:
+        return parse_chat_request(
+            _chat(**fields), model_id=MODEL, max_context=CONTEXT
+        ).params.top_logprobs
+
+    def completion(**fields: Any) -> int | None:
+        raw = _completion(**fields)
+        return parse_completion_request(
+            raw, model_id=MODEL, max_context=CONTEXT
+        ).params.top_logprobs
+
+    assert (chat(), chat(logprobs=False), chat(logprobs=True)) == (None, None, 0)
+    assert chat(logprobs=True, top_logprobs=20) == 20
+    assert (completion(), completion(logprobs=0), completion(logprobs=5)) == (None, 0, 5)
+
+
 def test_stop_strings_are_deduplicated_in_order():
     stop = parse_chat_request(_chat(stop=["b", "a", "b"]), model_id=MODEL, max_context=CONTEXT)
     assert stop.params.stop == ("b", "a")
@@ -194,7 +282,12 @@ def test_response_objects():
     assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert whole["choices"][0]["finish_reason"] == "stop"
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     chunk = chat_chunk(ident, {"content": "h"})
     assert chunk["object"] == "chat.completion.chunk"
     assert (chunk["id"], chunk["created"], chunk["model"]) == (ident.id, ident.created, MODEL)

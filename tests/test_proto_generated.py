@@ -37,6 +37,7 @@ def test_generated_modules_import_from_the_package():
         "Results": (False, True),
         "Release": (False, False),
         "Rollback": (False, False),
+        "DropPrefixSnapshots": (False, False),
     }
 
 
@@ -51,6 +52,6 @@ def test_presence_where_zero_means_something():
     assert not wire(pb.NodeInfo(node_id="n")).HasField("shard")
     assert wire(pb.NodeInfo(shard=pb.ShardSpec(start=0, end=0))).HasField("shard")
     assert wire(pb.SamplingParams(temperature=0.0)).HasField("temperature")
-    assert wire(pb.ResultEntry(draft=0)).HasField("draft")
+    assert wire(pb.RequestOptions(mtp_depth=0)).HasField("mtp_depth")
     assert wire(pb.StepEntry(sample=False)).HasField("sample")
     assert not wire(pb.StepBatch()).HasField("hidden")

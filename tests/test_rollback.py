@@ -46,20 +46,18 @@ def test_rejected_draft_is_undone_exactly(shard, tokenizer, signal: str) -> None
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
     drafted, clean = ShardRunner(shard), ShardRunner(shard)
     first = _prefill(drafted, "r", prompt)
-    assert first.draft is not None
+    assert len(first.drafts) == 1
     assert _prefill(clean, "r", prompt) == first
     (y,) = first.tokens
     n = len(prompt)
 
     # Force a rejection: a draft that greedy decoding will not pick.
-    state = drafted.requests["r"]
-    wrong = (first.draft + 1) % 8192
-    state.tail.draft = wrong
+    wrong = (first.drafts[0] + 1) % 8192
     (rejected,) = drafted.run([StepRequest("r", (y, wrong), n, draft_len=1)]).results
     assert rejected.keep == 1 and rejected.accepted == 0 and rejected.drafted == 1
     # The run that never saw the draft computes [y] alone.
     (plain,) = clean.run([StepRequest("r", (y,), n)]).results
-    assert rejected.tokens == plain.tokens and rejected.draft == plain.draft
+    assert rejected.tokens == plain.tokens and rejected.drafts == plain.drafts
 
     nxt = StepRequest("r", (plain.tokens[0],), n + 1)
     if signal == "standalone":
@@ -77,7 +75,7 @@ def test_rollback_larger_than_the_last_step_is_refused(shard, tokenizer) -> None
     runner = ShardRunner(shard)
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
     first = _prefill(runner, "r", prompt)
-    runner.run([StepRequest("r", (first.tokens[0], first.draft), len(prompt), draft_len=1)])
+    runner.run([StepRequest("r", (first.tokens[0], *first.drafts), len(prompt), draft_len=1)])
     with pytest.raises(RequestError, match="exceeds"):
         runner.rollback("r", 3)
     out = runner.run([StepRequest("r", (1,), len(prompt) + 2, rollback=3)])

@@ -9,10 +9,11 @@ import grpc
 import pytest
 from conftest import CODE_PROMPTS, run
 
-from cluster.decode.engine import GenerationRequest
+from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
+from cluster.weights.service import WeightsService, serve_weights
 from node.auth import TLSConfig
-from node.client import NodeClient, NodeUnavailable, open_remote_engine
+from node.client import NodeClient, NodeUnavailable, load_pipeline, open_remote_engine
 from tests import nodes
 
 node_factory = nodes.node_factory
@@ -80,3 +81,40 @@ def test_generation_over_tls_matches_and_plain_clients_are_refused(
 def test_a_key_without_its_certificate_is_refused() -> None:
     with pytest.raises(ValueError, match="needs its certificate"):
         TLSConfig.from_files(None, "key.pem")
+
+
+def test_a_node_without_the_model_fetches_it_over_tls(
+    node_factory, certificate: tuple[Path, Path], model_dir, tokenizer, tmp_path
+) -> None:
+    """The coordinator's Weights service serves TLS with the cluster certificate's key."""
+    group = node_factory(1, tls=certificate, args=lambda i: ["--cache-dir", str(tmp_path)])
+    tls = TLSConfig.from_files(*certificate)
+    service = WeightsService(model_dir, group.token)
+    server, port = serve_weights(service, "127.0.0.1", 0, tls)
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
+
+    async def go() -> tuple[tuple[int, ...], tuple[int, ...]]:
+        pipeline = await load_pipeline(
+            model_dir,
+            group.addresses,
+            token=group.token,
+            tls=TLSConfig.from_files(certificate[0]),
+            node_model_dir="/nonexistent/qwen3_5-tiny-mtp",
+            model_digest=service.manifest.digest,
+            weights_port=port,
+        )
+        local = await open_local_engine(model_dir)
+        try:
+            remote_out = await GenerationEngine(pipeline).generate(GenerationRequest(prompt, 16))
+            local_out = await local.engine.generate(GenerationRequest(prompt, 16))
+            return remote_out.tokens, local_out.tokens
+        finally:
+            local.close()
+            await pipeline.close()
+
+    try:
+        remote_tokens, local_tokens = run(go())
+    finally:
+        server.stop(None)
+    assert remote_tokens == local_tokens
+    assert service.transfers.snapshot()[0].sent_bytes > 0  # it did fetch, over TLS

@@ -116,6 +116,7 @@ def test_options_round_trip():
         RequestOptions(),
         RequestOptions(SamplingParams(temperature=0.0), mtp=False, logprobs=True),
         RequestOptions(SamplingParams(temperature=1.3, top_k=50, seed=7), mtp=True),
+        RequestOptions(logprobs=True, top_logprobs=20),
     ]:
         assert wire.options_from_proto(_over_the_wire(wire.options_to_proto(o))) == o
 
@@ -145,14 +146,20 @@ def _entries() -> list[StepRequest]:
             options=RequestOptions(SamplingParams(temperature=0.0, seed=3), logprobs=True),
         ),
         StepRequest("r-decode", (42, 43), 1234, draft_len=1, rollback=1),
+        StepRequest("r-masked", (5, 6), 9, draft_len=1, token_masks=(b"\x01\xff", b"\x00")),
+        StepRequest("r-deep", (42, 43, 44, 45), 99, draft_len=3, rollback=2),
         StepRequest("r-greedy-off", (7,), 2**40, options=RequestOptions(mtp=False)),
+        StepRequest("r-depth-0", (7,), 0, options=RequestOptions(mtp_depth=0)),
+        StepRequest("r-depth-4", (7,), 0, options=RequestOptions(mtp_depth=4)),
+        StepRequest("r-auto", (7,), 0, options=RequestOptions(mtp_depth="auto")),
+        StepRequest("r-resume", (7,), 300, prefix_from=2**63 - 1, prefix_save=5),
     ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_step_batch_round_trip(dtype):
     entries = _entries()
-    hidden = mx.random.normal((1, 22, 64), key=mx.random.key(2)).astype(dtype)
+    hidden = mx.random.normal((1, 30, 64), key=mx.random.key(2)).astype(dtype)
     msg = _over_the_wire(wire.step_batch_to_proto(entries, hidden, 2**63 + 5))
     got, got_hidden, sequence = wire.step_batch_from_proto(msg)
     assert got == entries
@@ -223,10 +230,18 @@ def test_unencodable_values_raise_wire_error():
 def _results() -> list[StepResult]:
     return [
         StepResult("r-prefill", (), keep=17),
-        StepResult("r-decode", (11, 12), keep=2, draft=13, drafted=1, accepted=1),
-        StepResult("r-reject", (21,), keep=1, draft=0, drafted=1, accepted=0),
-        StepResult("r-logprobs", (31, 32), keep=2, draft=33, logprobs=(-0.5, -1.25)),
+        StepResult("r-decode", (11, 12), keep=2, drafts=(13,), drafted=1, accepted=1),
+        StepResult("r-reject", (21,), keep=1, drafts=(0,), drafted=1, accepted=0),
+        StepResult("r-deep", (21, 22, 23), keep=3, drafts=(5, 0, 7), drafted=3, accepted=2),
+        StepResult("r-logprobs", (31, 32), keep=2, drafts=(33,), logprobs=(-0.5, -1.25)),
         StepResult("r-asked-none", (), keep=4, logprobs=()),
+        StepResult(
+            "r-top",
+            (41, 42),
+            keep=2,
+            logprobs=(-0.5, -0.25),
+            top_logprobs=(((41, -0.5), (7, -1.5)), ((42, -0.25), (0, -2.0))),
+        ),
     ]
 
 
@@ -243,14 +258,39 @@ def test_results_round_trip():
 
 
 def test_draft_zero_is_not_absent():
-    msg = _over_the_wire(wire.results_to_proto([StepResult("r", (1,), 1, draft=0)], []))
-    assert wire.results_from_proto(msg)[0][0].draft == 0
+    msg = _over_the_wire(wire.results_to_proto([StepResult("r", (1,), 1, drafts=(0,))], []))
+    assert wire.results_from_proto(msg)[0][0].drafts == (0,)
+
+
+def test_absent_mtp_depth_is_the_default_and_zero_stays_zero():
+    absent = wire.options_from_proto(pb.RequestOptions())
+    assert absent.mtp_depth == RequestOptions().mtp_depth == 1
+    zero = wire.options_to_proto(RequestOptions(mtp_depth=0))
+    assert wire.options_from_proto(_over_the_wire_options(zero)).mtp_depth == 0
+
+
+def _over_the_wire_options(msg: pb.RequestOptions) -> pb.RequestOptions:
+    return pb.RequestOptions.FromString(msg.SerializeToString())
 
 
 def test_logprobs_are_float32_on_the_wire():
     result = StepResult("r", (1,), 1, logprobs=(-0.1,))
     (got,), _ = wire.results_from_proto(_over_the_wire(wire.results_to_proto([result], [])))
     assert got.logprobs == pytest.approx((-0.1,), rel=1e-7)
+
+
+def test_token_masks_need_one_per_sampled_position():
+    with pytest.raises(RequestError, match="token_masks"):
+        StepRequest("r", (5, 6), 0, draft_len=1, token_masks=(b"\x01",))
+    with pytest.raises(RequestError, match="token_masks"):
+        StepRequest("r", (5,), 0, sample=False, token_masks=(b"\x01",))
+
+
+def test_top_logprobs_need_logprobs_and_at_most_20():
+    with pytest.raises(RequestError, match="needs logprobs"):
+        RequestOptions(top_logprobs=2)
+    with pytest.raises(RequestError, match="top_logprobs"):
+        wire.options_from_proto(pb.RequestOptions(logprobs=True, top_logprobs=21))
 
 
 def test_absent_result_fields_take_the_defaults():

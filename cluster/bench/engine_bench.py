@@ -216,7 +216,7 @@ class _Decoder:
         if self.step.position > 256:  # keep the context short: a fresh request
             self.runner.release(self.step.request_id)
             self._open()
-        draft = self.result.draft if self.mtp else None
+        draft = self.result.drafts[0] if self.mtp and self.result.drafts else None
         step = StepRequest(
             self.step.request_id,
             (self.result.tokens[-1],) if draft is None else (self.result.tokens[-1], draft),

@@ -329,7 +329,7 @@ def step_times(
     try:
         res = runner.run([StepRequest("verify", prompt, 0, options=RequestOptions(mtp=True))])
         r = res.results[0]
-        y, draft, position, rollback = r.tokens[-1], r.draft, len(prompt), 0
+        y, draft, position, rollback = r.tokens[-1], r.drafts[0], len(prompt), 0
         times, accepted = [], 0
         for k in range(warmup + iters):
             step = StepRequest("verify", (y, draft), position, draft_len=1, rollback=rollback)
@@ -337,7 +337,7 @@ def step_times(
             r = runner.run([step]).results[0]
             times.append(time.perf_counter() - t0)
             accepted += r.accepted if k >= warmup else 0
-            y, draft = r.tokens[-1], r.draft
+            y, draft = r.tokens[-1], r.drafts[0]
             position, rollback = position + r.keep, 2 - r.keep
         runner.release("verify")
     finally:

@@ -349,8 +349,7 @@ class _Batch:
     def __call__(self) -> float:
         steps = []
         for step, result in zip(self.steps, self.results, strict=True):
-            draft = result.draft if self.mtp else None
-            tokens = (result.tokens[-1],) if draft is None else (result.tokens[-1], draft)
+            tokens = (result.tokens[-1], *(result.drafts if self.mtp else ()))
             steps.append(
                 StepRequest(
                     step.request_id,

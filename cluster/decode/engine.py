@@ -3,9 +3,14 @@
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
 so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down), then
-decode steps. With MTP, each decode step feeds `[y, d]`: the last emitted token and the tail's
-draft of the next one; the result says how many positions stay, and the difference travels on
-the next step as its rollback signal.
+decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
+tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
+result says how many positions stay, and the difference travels on the next step as its
+rollback signal.
+
+With a `PrefixIndex` (the conversation cache), a prompt that extends a cached prefix starts
+from that prefix's snapshot on every shard and prefills only the rest; the end of the prompt
+and the end of the answer are kept as new snapshots.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import cast
 
 from cluster.decode.pipeline import Pipeline
+from cluster.decode.prefix_index import PrefixEntry, PrefixIndex, PrefixPipeline
+from cluster.decode.token_mask import TokenConstraint
 from cluster.messages import RequestError, RequestOptions, StepRequest, StepResult
 
 
@@ -27,6 +35,8 @@ class GenerationRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     stop_tokens: frozenset[int] = frozenset()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Which tokens may come next (e.g. a JSON schema); it goes on with the request.
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -42,6 +52,9 @@ class GenerationChunk:
     drafted: int  # cumulative
     accepted: int  # cumulative
     logprobs: tuple[float, ...] | None = None  # of `tokens`, when the request asked for them
+    # Per token of `tokens`, the likeliest (token, logprob) pairs, when asked for.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the conversation cache, not prefilled
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +66,33 @@ class GenerationOutput:
     accepted: int
     generation_tps: float  # tokens/s after the first token
     time_to_first_token_s: float
+    cached_tokens: int = 0
 
 
 class GenerationEngine:
-    def __init__(self, pipeline: Pipeline, *, prefill_chunk: int = 512):
-        self.pipeline = pipeline
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        prefill_chunk: int = 512,
+        prefix_index: PrefixIndex | None = None,
+    ):
         self.prefill_chunk = prefill_chunk
+        self.prefix_index = prefix_index  # the pipeline must be a PrefixPipeline too
+        self._background: set[asyncio.Task] = set()
+        self.pipeline = pipeline
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._pipeline
+
+    @pipeline.setter
+    def pipeline(self, pipeline: Pipeline) -> None:
+        """A new pipeline's shards hold no snapshots: the prefix index starts over."""
+        self._pipeline = pipeline
+        if self.prefix_index is not None:
+            self.prefix_index.clear()
+            cast(PrefixPipeline, pipeline).on_prefix_dropped = self._prefix_dropped
 
     @property
     def max_context(self) -> int:
@@ -72,25 +106,54 @@ class GenerationEngine:
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) "
                 f"exceeds the context of {self.max_context} tokens"
             )
-        # Each run has its own id on the shards: nodes refuse a released id, and a caller may
-        # well run the same request twice.
-        rid = f"{request.request_id}.{uuid.uuid4().hex[:8]}"
+        rid = _run_id(request)
+        index = self.prefix_index
+        entry, save = None, 0
+        if index is not None:
+            entry = index.longest(request.prompt, request.options.mtp)
+            save = 0 if index.holds(request.prompt, request.options.mtp) else index.new_id()
+        fed = list(request.prompt)  # the tokens the shards' caches cover, once fed
+        settled: tuple[StepRequest, StepResult] | None = None  # no step in flight
         try:
-            step, result = await self._prefill(rid, request)
+            try:
+                step, result = await self._prefill(rid, request, entry, save)
+            except RequestError:
+                if entry is None:
+                    raise
+                # A shard lacks the snapshot (a drop still on its way): prefill it all.
+                assert index is not None
+                index.stats.fallbacks += 1
+                await asyncio.shield(self.pipeline.release(rid))
+                self._drop_everywhere([entry.snapshot_id, save])
+                rid, entry, save = _run_id(request), None, index.new_id()
+                step, result = await self._prefill(rid, request, None, save)
+            cached = self._count_prefill(request, entry, save)
             produced = drafted = accepted = 0
             while True:
+                fed += result.tokens
+                settled = (step, result)
                 drafted += result.drafted
                 accepted += result.accepted
                 tokens, finish = _cut(result.tokens, request, produced)
                 produced += len(tokens)
                 logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
-                yield GenerationChunk(tokens, finish, drafted, accepted, logprobs)
+                top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
+                yield GenerationChunk(
+                    tokens, finish, drafted, accepted, logprobs, top, cached_tokens=cached
+                )
                 if finish:
                     return
-                step = self._next_step(step, result, request.options.mtp)
+                drafts = result.drafts if request.options.mtp else ()
+                # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
+                drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
+                step = self._next_step(step, result, drafts)
+                if request.constraint is not None:
+                    request.constraint.advance(tokens)
+                    step = replace(step, token_masks=request.constraint.masks(drafts))
+                settled = None
                 result = await self.pipeline.submit(step)
         finally:
-            await asyncio.shield(self.pipeline.release(rid))
+            await asyncio.shield(self._end(rid, request, settled, fed))
 
     async def generate(
         self,
@@ -119,22 +182,30 @@ class GenerationEngine:
             accepted=chunk.accepted,
             generation_tps=after_first / (end - first) if end > first else 0.0,
             time_to_first_token_s=first - start,
+            cached_tokens=chunk.cached_tokens,
         )
 
     async def _prefill(
-        self, rid: str, request: GenerationRequest
+        self, rid: str, request: GenerationRequest, entry: PrefixEntry | None, save: int
     ) -> tuple[StepRequest, StepResult]:
+        """The prompt from `entry`'s end (or from 0) in chunks; the last one keeps a prefix
+        snapshot `save` (0: none)."""
         prompt, size = request.prompt, self.prefill_chunk
+        begin = len(entry.tokens) if entry else 0
         steps = [
             StepRequest(
                 rid,
                 prompt[i : i + size],
                 position=i,
                 sample=i + size >= len(prompt),
-                options=request.options if i == 0 else None,
+                options=request.options if i == begin else None,
+                prefix_from=entry.snapshot_id if entry and i == begin else 0,
+                prefix_save=save if i + size >= len(prompt) else 0,
             )
-            for i in range(0, len(prompt), size)
+            for i in range(begin, len(prompt), size)
         ]
+        if request.constraint is not None:
+            steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
         # Submitted together: a later chunk can enter the head while an earlier one runs on.
         pending = [asyncio.ensure_future(self.pipeline.submit(s)) for s in steps]
         try:
@@ -145,17 +216,82 @@ class GenerationEngine:
             raise
         return steps[-1], results[-1]
 
+    # -- the conversation cache -------------------------------------------------------------
+
+    def _count_prefill(
+        self, request: GenerationRequest, entry: PrefixEntry | None, save: int
+    ) -> int:
+        """After a prefill: count a hit, index the prompt's snapshot. The tokens not prefilled."""
+        index = self.prefix_index
+        if index is None:
+            return 0
+        if save:
+            self._drop_everywhere(index.add(PrefixEntry(request.prompt, save, request.options.mtp)))
+        if entry is None:
+            return 0
+        index.stats.hits += 1
+        index.stats.cached_tokens += len(entry.tokens)
+        return len(entry.tokens)
+
+    async def _end(
+        self,
+        rid: str,
+        request: GenerationRequest,
+        settled: tuple[StepRequest, StepResult] | None,
+        fed: list[int],
+    ) -> None:
+        """Release the request; where no step is in flight, keep its state as the snapshot
+        of the conversation so far (prompt and answer, up to the last token fed)."""
+        index = self.prefix_index
+        if index is None or settled is None:
+            await self.pipeline.release(rid)
+            return
+        step, result = settled
+        positions = step.position + result.keep
+        tokens = tuple(fed[:positions])
+        if positions > len(fed) or index.holds(tokens, request.options.mtp):
+            await self.pipeline.release(rid)
+            return
+        snapshot_id = index.new_id()
+        pipeline = cast(PrefixPipeline, self.pipeline)
+        if await pipeline.release_as_prefix(rid, snapshot_id, positions):
+            entry = PrefixEntry(tokens, snapshot_id, request.options.mtp)
+            self._drop_everywhere(index.add(entry))
+
+    def _prefix_dropped(self, snapshot_ids: list[int]) -> None:
+        """A shard no longer holds these snapshots: they are usable nowhere."""
+        self._drop_everywhere(snapshot_ids)
+
+    def _drop_everywhere(self, snapshot_ids: list[int]) -> None:
+        """Forget these snapshots and have every shard drop them."""
+        ids = [i for i in snapshot_ids if i]
+        if not ids:
+            return
+        if self.prefix_index is not None:
+            self.prefix_index.forget(ids)
+        pipeline = cast(PrefixPipeline, self.pipeline)
+        self._spawn(pipeline.drop_prefixes(ids))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     @staticmethod
-    def _next_step(step: StepRequest, result: StepResult, mtp: bool) -> StepRequest:
-        last = result.tokens[-1]
-        draft = result.draft if mtp else None
+    def _next_step(step: StepRequest, result: StepResult, drafts: tuple[int, ...]) -> StepRequest:
         return StepRequest(
             step.request_id,
-            (last,) if draft is None else (last, draft),
+            (result.tokens[-1], *drafts),
             position=step.position + result.keep,
-            draft_len=0 if draft is None else 1,
+            draft_len=len(drafts),
             rollback=len(step.tokens) - result.keep,
         )
+
+
+def _run_id(request: GenerationRequest) -> str:
+    """Each run has its own id on the shards: nodes refuse a released id, and a caller may
+    well run the same request twice (or again after a prefix cache fallback)."""
+    return f"{request.request_id}.{uuid.uuid4().hex[:8]}"
 
 
 def _cut(

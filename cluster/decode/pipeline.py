@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Protocol, TypeVar
 
 from cluster.decode.runner import ShardRunner
@@ -70,6 +70,8 @@ class LocalPipeline:
         self.max_batch_positions = max_batch_positions
         self._queue: deque[tuple[StepRequest, asyncio.Future]] = deque()
         self._drainer: asyncio.Task | None = None
+        # Told the ids of prefix snapshots a shard no longer holds (cluster.decode.prefix_index).
+        self.on_prefix_dropped: Callable[[list[int]], None] | None = None
 
     @property
     def max_context(self) -> int:
@@ -89,6 +91,37 @@ class LocalPipeline:
         for runner in self.runners:
             runner.release(request_id)
 
+    async def release_as_prefix(self, request_id: str, snapshot_id: int, positions: int) -> bool:
+        """Release, keeping the first `positions` positions as a prefix snapshot on every
+        shard; False (and none kept) if a shard cannot keep it."""
+        saved, dropped = await self.worker.run(
+            self._release_as_prefix, request_id, snapshot_id, positions
+        )
+        self._report_dropped([i for i in dropped if i != snapshot_id])
+        return saved
+
+    def _release_as_prefix(
+        self, request_id: str, snapshot_id: int, positions: int
+    ) -> tuple[bool, list[int]]:
+        replies = [r.release_as_prefix(request_id, snapshot_id, positions) for r in self.runners]
+        dropped = {i for _, ids in replies for i in ids}
+        saved = all(ok for ok, _ in replies)
+        if not saved:
+            dropped.add(snapshot_id)
+        self._drop_prefixes(dropped)
+        return saved, sorted(dropped)
+
+    def _report_dropped(self, snapshot_ids: list[int]) -> None:
+        if snapshot_ids and self.on_prefix_dropped is not None:
+            self.on_prefix_dropped(snapshot_ids)
+
+    async def drop_prefixes(self, snapshot_ids: Iterable[int]) -> None:
+        await self.worker.run(self._drop_prefixes, set(snapshot_ids))
+
+    def _drop_prefixes(self, snapshot_ids: set[int]) -> None:
+        for runner in self.runners:
+            runner.snapshots.drop(list(snapshot_ids))
+
     async def _drain(self) -> None:
         while self._queue:
             await asyncio.sleep(0)  # let concurrent submitters join the batch
@@ -104,12 +137,14 @@ class LocalPipeline:
                 continue
             steps = [step for step, _ in batch]
             try:
-                results, errors = await self.worker.run(self._run, steps)
+                results, errors, dropped = await self.worker.run(self._run, steps)
             except Exception as error:  # a failure of the whole batch fails each request
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
                 continue
+            if dropped:
+                self._report_dropped(dropped)
             for step, future in batch:
                 if future.done():
                     continue
@@ -120,15 +155,19 @@ class LocalPipeline:
 
     def _run(
         self, steps: list[StepRequest]
-    ) -> tuple[dict[str, StepResult], dict[str, RequestError]]:
+    ) -> tuple[dict[str, StepResult], dict[str, RequestError], list[int]]:
         errors: dict[str, RequestError] = {}
         hidden = None
+        dropped: set[int] = set()
         for runner in self.runners:
             out = runner.run(steps, hidden)
+            dropped.update(out.prefix_dropped)
             errors.update(out.errors)
             steps, hidden = out.steps, out.hidden
             if not steps:
                 break
         for rid in errors:  # a request that failed on one shard is dropped from all of them
             self._release(rid)
-        return {r.request_id: r for r in out.results}, errors
+        if dropped:  # a snapshot is usable only while every shard holds it
+            self._drop_prefixes(dropped)
+        return {r.request_id: r for r in out.results}, errors, sorted(dropped)

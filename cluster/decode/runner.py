@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
+from cluster.decode.step_cost import StepCost
 from cluster.decode.tail import Tail, TailRequest
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
 from cluster.model.cache import RequestCache
@@ -51,6 +53,7 @@ class BatchOutput:
     hidden: mx.array | None = None
     results: list[StepResult] = field(default_factory=list)
     errors: dict[str, RequestError] = field(default_factory=dict)
+    prefix_dropped: list[int] = field(default_factory=list)  # snapshot ids no longer held
 
 
 class ShardRunner:
@@ -60,20 +63,38 @@ class ShardRunner:
         *,
         cache_budget_bytes: int | None = None,
         mtp_reads_prenorm: bool = False,
+        prefix_budget_bytes: int | None = None,
     ):
         self.shard = shard
         self.spec = shard.spec
         self.cache_budget_bytes = cache_budget_bytes
-        self.tail = Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm) if shard.spec.is_tail else None
+        self.step_cost = StepCost()  # this shard's batches, timed (read by the MTP depth policy)
+        self.tail = (
+            Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm, step_cost=self.step_cost)
+            if shard.spec.is_tail
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         # Ids released lately: a step still on its way when its request was released (a
         # client that hung up mid-prefill) must not open the request again.
         self._released: OrderedDict[str, None] = OrderedDict()
         self._kv_bytes_per_position = self._kv_position_bytes()
+        self.snapshots = SnapshotStore(prefix_budget_bytes)
+        self.positions_computed = 0  # by this shard's layers, over every step
 
     # -- the per-step path ------------------------------------------------------------------
 
     def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
+        started = time.perf_counter()
+        output = self._run(steps, hidden)
+        # Decode batches only (one confirmed token per request): a prefill chunk's positions
+        # cost less each (one lm_head row, no drafts), and would bend the decode curve.
+        if output.steps and all(step.n_confirmed == 1 for step in output.steps):
+            positions = sum(len(step.tokens) for step in output.steps)
+            self.step_cost.record(positions, time.perf_counter() - started)
+        return output
+
+    def _run(self, steps: list[StepRequest], hidden: mx.array | None) -> BatchOutput:
         errors: dict[str, RequestError] = {}
         runnable: list[tuple[int, StepRequest, RequestState]] = []
         start = 0
@@ -100,29 +121,34 @@ class ShardRunner:
             state.cache.begin_step(step.rollback, len(step.tokens))
             segments.append(Segment(state.cache, len(step.tokens), step.n_confirmed))
         out = self.shard(x, segments)
+        self.positions_computed += x.shape[1]
         if self.tail is None:
             mx.eval(out)
-            return BatchOutput(ran, hidden=out, errors=errors)
+            dropped = self._save_prefixes(runnable)
+            return BatchOutput(ran, hidden=out, errors=errors, prefix_dropped=dropped)
         results = self.tail.finish(ran, [state.tail for _, _, state in runnable], out)
-        return BatchOutput(ran, results=results, errors=errors)
+        dropped = self._save_prefixes(runnable)
+        return BatchOutput(ran, results=results, errors=errors, prefix_dropped=dropped)
 
     def _prepare(self, step: StepRequest) -> RequestState:
         state = self.requests.get(step.request_id)
         if state is None:
             if step.request_id in self._released:
                 raise UnknownRequestError(f"request {step.request_id!r} was released")
-            if step.position != 0:
+            if step.prefix_from:
+                state = self._open_from_prefix(step)
+            elif step.position != 0:
                 raise UnknownRequestError(f"unknown request id {step.request_id!r}")
-            state = self._open(step)
+            else:
+                state = self._open(step)
         expected = state.cache.position - step.rollback
         if step.rollback > state.cache.last_step_len or expected != step.position:
             raise RequestError(
                 f"request {step.request_id!r}: step at position {step.position} with rollback "
                 f"{step.rollback}, but the caches hold {state.cache.position} positions"
             )
-        # Only the tail knows the draft it made (and the distribution it drew it from).
-        if state.tail is not None and step.draft_len and step.tokens[-1] != state.tail.draft:
-            raise RequestError(f"request {step.request_id!r}: the draft is not the tail's")
+        if state.tail is not None:
+            Tail.check_drafts(state.tail, step)
         self._check_budget(state, len(step.tokens))
         state.last_used = time.monotonic()
         return state
@@ -133,6 +159,38 @@ class ShardRunner:
         self._check_budget(state, len(step.tokens))
         self.requests[step.request_id] = state
         return state
+
+    def _open_from_prefix(self, step: StepRequest) -> RequestState:
+        snapshot = self.snapshots.get(step.prefix_from)
+        if snapshot.position != step.position:
+            raise RequestError(
+                f"request {step.request_id!r}: prefix snapshot {step.prefix_from} holds "
+                f"{snapshot.position} positions, the step starts at {step.position}"
+            )
+        tail = None
+        if self.tail is not None:
+            if snapshot.tail is None:
+                raise RequestError(f"prefix snapshot {step.prefix_from} has no tail state")
+            tail = snapshot.tail.open(self.tail, step.options)
+        state = RequestState(snapshot.cache.restore(), tail)
+        self._check_budget(state, len(step.tokens))
+        self.requests[step.request_id] = state
+        return state
+
+    def _save_prefixes(self, runnable: list[tuple[int, StepRequest, RequestState]]) -> list[int]:
+        """Snapshots asked for at the end of this step (its positions are all confirmed)."""
+        dropped: list[int] = []
+        for _, step, state in runnable:
+            if not step.prefix_save:
+                continue
+            try:
+                snapshot = PrefixSnapshot.take(state.cache, state.tail, state.cache.position)
+            except ValueError as error:  # e.g. asked of a chunk that is not the prompt's last
+                log.warning("no prefix snapshot of %s: %s", step.request_id, error)
+                dropped.append(step.prefix_save)
+                continue
+            dropped += self.snapshots.put(step.prefix_save, snapshot)
+        return dropped
 
     @staticmethod
     def _rows(hidden: mx.array, runnable: list[tuple[int, StepRequest, RequestState]]) -> mx.array:
@@ -185,6 +243,29 @@ class ShardRunner:
         except ValueError as error:
             raise RequestError(str(error)) from None
         return state.cache.position
+
+    def release_as_prefix(
+        self, request_id: str, snapshot_id: int, positions: int
+    ) -> tuple[bool, list[int]]:
+        """Release a request, keeping its first `positions` positions (all but what its last
+        step's rollback would drop) as a prefix snapshot. Returns whether the snapshot is held
+        and the ids of the snapshots no longer held."""
+        state = self.requests.get(request_id)
+        self.release(request_id)
+        if state is None:
+            return False, [snapshot_id]
+        drop = state.cache.position - positions
+        if not 0 <= drop <= state.cache.last_step_len or positions < 1:
+            return False, [snapshot_id]
+        try:
+            if drop:
+                state.cache.rollback(drop)
+            snapshot = PrefixSnapshot.take(state.cache, state.tail, positions)
+        except ValueError as error:
+            log.warning("no prefix snapshot of %s: %s", request_id, error)
+            return False, [snapshot_id]
+        dropped = self.snapshots.put(snapshot_id, snapshot)
+        return snapshot_id not in dropped, dropped
 
     def release(self, request_id: str) -> bool:
         self._released[request_id] = None

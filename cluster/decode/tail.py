@@ -12,6 +12,12 @@ the verdict of step 2 without a second sync, so for a step [y, d] the MTP head i
 pairs it may need, (h_y, d-or-correction) and (h_d, bonus), with the token chosen on the
 device; the draft comes from the position the verdict picks, also on the device (one lm_head
 row); once the verdict is read, a rejection trims the second pair from the MTP cache.
+
+Deeper drafts (the request's `mtp_depth`, fixed or chosen by cluster.decode.mtp_depth) chain
+the MTP head on its own output: (o_t, d1) -> d2, (o_{t+1}, d2) -> d3, ... after the verdict,
+for every request of the batch at once, with one more sync. Each link writes an entry to the
+MTP cache that no verdict will confirm; those `speculative` entries are discarded before the
+next step feeds its confirmed pairs, so the MTP cache only ever holds confirmed pairs.
 """
 
 from __future__ import annotations
@@ -21,9 +27,19 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from cluster.decode.mtp_depth import Acceptance, DepthPolicy
 from cluster.decode.sampling import RequestRandom, log_probs, sample
+from cluster.decode.step_cost import StepCost
+from cluster.decode.token_mask import constrain
 from cluster.decode.verify import Candidates, decide, propose
-from cluster.messages import RequestOptions, SamplingParams, StepRequest, StepResult
+from cluster.messages import (
+    MAX_MTP_DEPTH,
+    RequestError,
+    RequestOptions,
+    SamplingParams,
+    StepRequest,
+    StepResult,
+)
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.shard import ModelShard
@@ -45,12 +61,24 @@ class TailRequest:
     # The MTP input of the last confirmed position whose next token is not known yet
     # (the end of a prefill chunk that is not the prompt's last).
     pending_hidden: mx.array | None = None
-    draft: int | None = None
-    draft_logprobs: mx.array | None = None  # [vocab], the distribution `draft` came from
+    drafts: tuple[int, ...] = ()
+    draft_logprobs: mx.array | None = None  # [k, vocab]: the distributions `drafts` came from
+    speculative: int = 0  # MTP cache entries that chained drafts wrote (never confirmed)
+    depth: DepthPolicy | None = None
+    # The MTP inputs of the last sampled step from its last confirmed position on (where its
+    # kept positions may end), from position `recent_start`: a prefix snapshot's pending pair.
+    recent_inputs: mx.array | None = None
+    recent_start: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.mtp_cache.nbytes if self.mtp_cache else 0
+
+    def discard_speculative(self) -> None:
+        """Drop what chained drafts wrote to the MTP cache: it then holds confirmed pairs only."""
+        if self.speculative:
+            self.mtp_cache.discard(self.speculative)
+            self.speculative = 0
 
 
 @dataclass(slots=True)
@@ -62,20 +90,37 @@ class _Job:
     offset: int  # of the step's first position in the packed batch
     candidates: Candidates | None = None  # None: an intermediate prefill chunk
     logprobs: mx.array | None = None  # the model's own, at the rows where tokens are due
+    top: tuple[mx.array, mx.array] | None = None  # the likeliest tokens per row, their logprobs
     mtp_tokens: mx.array | None = None  # the tokens paired with `mtp_hidden`
     mtp_hidden: mx.array | None = None  # [1, pairs, hidden]
     draft: tuple[mx.array, mx.array] | None = None  # the next draft and its distribution
+    draft_hidden: mx.array | None = None  # [hidden]: the MTP output the next draft came from
+    depth: int = 0  # drafts to hand back for the next step
+    emitted: tuple[int, ...] = ()
+    keep: int = 0
+    accepted: int = 0
+    emitted_logprobs: tuple[float, ...] | None = None
+    emitted_top: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
         out += [self.logprobs] if self.logprobs is not None else []
+        out += list(self.top or ())
         return out + list(self.draft or ())
 
 
 class Tail:
-    def __init__(self, shard: ModelShard, *, mtp_reads_prenorm: bool = False):
+    def __init__(
+        self,
+        shard: ModelShard,
+        *,
+        mtp_reads_prenorm: bool = False,
+        step_cost: StepCost | None = None,
+    ):
         self.shard = shard
         self.mtp_reads_prenorm = mtp_reads_prenorm
+        self.step_cost = step_cost if step_cost is not None else StepCost()
+        self.acceptance = Acceptance()  # over all requests: a new request's starting point
 
     def open(self, options: RequestOptions | None) -> TailRequest:
         options = options or RequestOptions()
@@ -83,7 +128,22 @@ class Tail:
         mtp_cache = (
             RequestCache.for_layers([False] * len(self.shard.mtp.layers)) if use_mtp else None
         )
-        return TailRequest(options, RequestRandom(options.sampling.seed), mtp_cache)
+        depth = DepthPolicy(options.mtp_depth, self.acceptance) if use_mtp else None
+        return TailRequest(options, RequestRandom(options.sampling.seed), mtp_cache, depth=depth)
+
+    @staticmethod
+    def check_drafts(state: TailRequest, step: StepRequest) -> None:
+        """A sampled request's drafts must be (a prefix of) the tail's own: their verification
+        needs the distributions they were drawn from. Greedy verification is an exact match
+        against the target, so any drafts verify exactly (the engine may shorten or replace
+        them)."""
+        drafts = step.tokens[step.n_confirmed :]
+        if len(drafts) > MAX_MTP_DEPTH:
+            raise RequestError(f"a step carries at most {MAX_MTP_DEPTH} drafts, got {len(drafts)}")
+        if state.options.sampling.greedy or not drafts:
+            return
+        if drafts != state.drafts[: len(drafts)]:
+            raise RequestError(f"request {step.request_id!r}: the drafts are not the tail's")
 
     def finish(
         self, steps: list[StepRequest], states: list[TailRequest], hidden: mx.array
@@ -94,11 +154,21 @@ class Tail:
         jobs = [_Job(s, state, o) for s, state, o in zip(steps, states, offsets, strict=False)]
         self._verify(jobs, normed)
         mtp_jobs = [j for j in jobs if j.state.mtp_cache is not None]
+        # The next step's depth, from the verdicts before this one: known before the sync, a
+        # request that will not draft costs no lm_head row for a draft.
+        positions = sum(len(s.tokens) for s in steps)
         for job in mtp_jobs:
+            if job.candidates is not None:
+                others = positions - len(job.step.tokens)
+                job.depth = job.state.depth.next_depth(self.step_cost, others)
+            job.state.discard_speculative()
             self._pair(job, mtp_input)
         self._draft([j for j in mtp_jobs if j.mtp_tokens is not None])
         mx.eval([a for job in jobs for a in job.arrays()])
-        return [self._conclude(job) for job in jobs]
+        for job in jobs:
+            self._conclude(job)
+        self._chain([job for job in jobs if job.depth > 1])
+        return [self._result(job) for job in jobs]
 
     def _verify(self, jobs: list[_Job], normed: mx.array) -> None:
         """Logits where a token is due (one matmul), then each request's candidates."""
@@ -117,11 +187,12 @@ class Tail:
             n = job.step.draft_len + 1
             drafts = job.step.tokens[job.step.n_confirmed :]
             params = job.state.options.sampling
-            target = log_probs(logits[row : row + n], params)
-            q = job.state.draft_logprobs[None] if drafts and not params.greedy else None
+            target = log_probs(constrain(logits[row : row + n], job.step.token_masks), params)
+            q = job.state.draft_logprobs[: len(drafts)] if drafts and not params.greedy else None
             job.candidates = propose(target, drafts, q, params, job.state.rng)
             if job.state.options.logprobs:
                 job.logprobs = log_probs(logits[row : row + n], _PLAIN)
+                job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
             row += n
 
     def _pair(self, job: _Job, mtp_input: mx.array) -> None:
@@ -129,13 +200,16 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
         hidden = mtp_input[:, job.offset : job.offset + n]
+        if c is not None:
+            state.recent_inputs = hidden[:, step.n_confirmed - 1 :]
+            state.recent_start = step.position + step.n_confirmed - 1
         if c is None:  # an intermediate prefill chunk: the last position waits for its token
             tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]
         elif step.draft_len == 0:  # a prompt's last chunk, or a step without a draft
             tokens, pending = mx.concatenate([_ids(step.tokens[1:]), c.target[-1:]]), None
-        else:  # [y, d]: d or its correction after y, then the bonus after d
-            chosen = mx.where(c.accept, _ids(step.tokens[-1:]), c.correction)
+        else:  # [y, d1..dk]: each draft or its correction, then the bonus after dk
+            chosen = mx.where(c.accept, _ids(step.tokens[step.n_confirmed :]), c.correction)
             tokens, pending = mx.concatenate([chosen, c.target[-1:]]), None
         if state.pending_hidden is not None:
             hidden = mx.concatenate([state.pending_hidden, hidden], axis=1)
@@ -160,9 +234,9 @@ class Tail:
         # The draft comes after the position where the last emitted token stands: for a step
         # with k drafts, the one after the accepted prefix, picked on the device.
         rows = []
-        drafting = [job for job in jobs if job.candidates is not None]
+        drafting = [job for job in jobs if job.candidates is not None and job.depth]
         for job, end in zip(jobs, ends, strict=True):
-            if job.candidates is None:
+            if job.candidates is None or not job.depth:
                 continue
             if job.step.draft_len:
                 k = job.step.draft_len
@@ -177,24 +251,86 @@ class Tail:
             params = job.state.options.sampling
             q = log_probs(logits[i], params)
             job.draft = (sample(q, params, job.state.rng), q)
+            job.draft_hidden = rows[i]
 
-    def _conclude(self, job: _Job) -> StepResult:
-        """Read the verdict (after the sync): tokens, what stays, the draft that holds."""
+    def _conclude(self, job: _Job) -> None:
+        """Read the verdict (after the sync): tokens, what stays, the first draft."""
         step, state = job.step, job.state
         if job.candidates is None:
-            return StepResult(step.request_id, (), len(step.tokens))
-        emitted, accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
-        if job.draft is not None:
-            rejected = step.draft_len - accepted
-            if rejected:  # the pair after the rejected draft never happened
+            job.keep = len(step.tokens)
+            return
+        job.emitted, job.accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
+        job.keep = step.n_confirmed + job.accepted
+        if state.mtp_cache is not None:
+            rejected = step.draft_len - job.accepted
+            if rejected:  # the pairs after the rejected draft never happened
                 state.mtp_cache.rollback(rejected)
-            token, state.draft_logprobs = job.draft
-            state.draft = int(token.item())
-        logprobs = None
+            state.depth.record(step.draft_len, job.accepted)
+            state.drafts, state.draft_logprobs = (), None
+        if job.draft is not None:
+            token, q = job.draft
+            state.drafts, state.draft_logprobs = (int(token.item()),), q[None]
         if job.logprobs is not None:  # emitted token j was predicted at row j
-            logprobs = tuple(job.logprobs[j, t].item() for j, t in enumerate(emitted))
-        keep = step.n_confirmed + accepted
+            job.emitted_logprobs = tuple(
+                job.logprobs[j, t].item() for j, t in enumerate(job.emitted)
+            )
+        if job.top is not None:
+            tokens, values = (a[: len(job.emitted)].tolist() for a in job.top)
+            job.emitted_top = tuple(
+                tuple(zip(t, v, strict=True)) for t, v in zip(tokens, values, strict=True)
+            )
+
+    def _chain(self, jobs: list[_Job]) -> None:
+        """Draft on from each first draft, the MTP head on its own output, all requests of the
+        batch at once: link i feeds (o, d_i) at the MTP cache's next position and yields
+        d_{i+1}. One sync at the end."""
+        if not jobs:
+            return
+        tokens = {id(job): [job.draft[0]] for job in jobs}
+        dists = {id(job): [job.draft[1]] for job in jobs}
+        hidden = {id(job): job.draft_hidden for job in jobs}
+        for link in range(1, max(job.depth for job in jobs)):
+            active = [job for job in jobs if job.depth > link]
+            segments = []
+            for job in active:
+                job.state.mtp_cache.begin_step(0, 1)
+                job.state.speculative += 1
+                segments.append(Segment(job.state.mtp_cache, 1, 1))
+            embedded = self.shard.embed(mx.stack([tokens[id(j)][-1] for j in active])[None])
+            inputs = mx.stack([hidden[id(j)] for j in active])[None]
+            out = self.shard.mtp(embedded, inputs, segments)
+            logits = self.shard.logits(out[0])
+            for i, job in enumerate(active):
+                params = job.state.options.sampling
+                q = log_probs(logits[i], params)
+                tokens[id(job)].append(sample(q, params, job.state.rng))
+                dists[id(job)].append(q)
+                hidden[id(job)] = out[0, i]
+        for job in jobs:
+            job.state.draft_logprobs = mx.stack(dists[id(job)])
+        mx.eval([t for ts in tokens.values() for t in ts], [j.state.draft_logprobs for j in jobs])
+        for job in jobs:
+            job.state.drafts = tuple(int(t.item()) for t in tokens[id(job)])
+
+    @staticmethod
+    def _result(job: _Job) -> StepResult:
+        step = job.step
+        if job.candidates is None:
+            return StepResult(step.request_id, (), job.keep)
         return StepResult(
-            step.request_id, emitted, keep, state.draft if job.draft else None,
-            step.draft_len, accepted, logprobs,
+            step.request_id, job.emitted, job.keep, job.state.drafts,
+            step.draft_len, job.accepted, job.emitted_logprobs, job.emitted_top,
         )  # fmt: skip
+
+
+def _likeliest(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array] | None:
+    """The k likeliest tokens of each row, likeliest first, and their logprobs (lazily)."""
+    if k == 0:
+        return None
+    k = min(k, logprobs.shape[-1])
+    # A partial sort over the vocabulary, then a full sort of the k only.
+    candidates = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, candidates, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    tokens = mx.take_along_axis(candidates, order, axis=-1)
+    return tokens, mx.take_along_axis(values, order, axis=-1)

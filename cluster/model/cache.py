@@ -68,6 +68,19 @@ class RequestCache:
         self.last_step_len = keep
         self.position -= drop
 
+    def discard(self, drop: int) -> None:
+        """Drop the last `drop` positions of attention-only caches (the MTP head's), whatever
+        steps added them: the entries that chained drafts wrote, which no verdict confirms."""
+        if drop > self.position:
+            raise ValueError(f"cannot discard {drop} positions of {self.position}")
+        for index, cache in enumerate(self.layers):
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"layer {index} is recurrent: only a snapshot can undo it")
+            cache.trim(drop)
+        self.snapshots.clear()
+        self.last_step_len = max(self.last_step_len - drop, 0)
+        self.position -= drop
+
     def record_snapshot(self, layer: int, keep: int, conv: mx.array, state: mx.array) -> None:
         self.snapshots.setdefault(layer, {})[keep] = (conv, state)
 

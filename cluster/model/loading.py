@@ -274,10 +274,11 @@ def _cast(name: str, value: mx.array, dtype: mx.Dtype | None, config: ModelConfi
 
 
 def shard_tensor_names(model_dir: str | Path, spec: ShardSpec) -> Iterable[str]:
-    """The source keys a shard reads (for tests and the memory benchmark)."""
+    """The source keys a shard reads (what a node fetches; the tests; the memory benchmark)."""
     config = load_model_config(model_dir)
     index = CheckpointIndex.read(config.path)
-    shard = ModelShard(config, spec, with_mtp=spec.is_tail and index.has_mtp)
+    with_mtp = spec.is_tail and config.mtp_layers > 0 and index.has_mtp  # as load_shard
+    shard = ModelShard(config, spec, with_mtp=with_mtp)
     wanted = set(dict(tree_flatten(shard.parameters())))
     for key in index.files:
         name = index.shard_name(key)

@@ -58,6 +58,14 @@ function nodeCard(node, index) {
     ["Step latency", el("dd", "mono", `${node.step_latency_ms.toFixed(1)} ms`)],
     ["Heartbeat", heartbeat],
   ];
+  if (node.prefix_budget_bytes) {
+    const mib = (node.prefix_snapshot_bytes / 2 ** 20).toFixed(1);
+    const budget = (node.prefix_budget_bytes / 2 ** 20).toFixed(0);
+    rows.push(["Prefix cache", el("dd", "mono", `${node.prefix_snapshots} · ${mib} / ${budget} MiB`)]);
+  }
+  if (node.weights_fraction !== null && node.weights_fraction !== undefined) {
+    rows.push(["Weights", el("dd", "mono", `fetching ${(node.weights_fraction * 100).toFixed(0)}%`)]);
+  }
   for (const [label, value] of rows) kv.append(el("dt", "", label), value);
 
   card.append(head, roles, kv, meter("Memory", node.memory_used_bytes, node.memory_total_bytes, stageColor(index)));
@@ -99,6 +107,8 @@ function drawStats(data) {
   $("stat-acceptance").textContent = `${(stats.acceptance_rate * 100).toFixed(1)}%`;
   $("stat-inflight").textContent = String(stats.requests_in_flight);
   $("stat-queued").textContent = admission ? `${admission.queued} / ${admission.max_queued}` : "—";
+  $("stat-prefix").textContent = `${stats.prefix_cache_hits} (${stats.prefix_cache_saved_tokens} tok saved)`;
+  $("stat-prefix").title = `${stats.prefix_cache_entries} prefixes cached on every node`;
   $("stat-requests").textContent = String(stats.requests_total);
   $("stat-errors").textContent = String(stats.errors_total);
   $("stat-errors").classList.toggle("bad", stats.errors_total > 0);
@@ -121,9 +131,26 @@ function draw(data) {
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
+// With API keys on, the data needs the key: asked once, kept for this tab only.
+const KEY_ITEM = "cluster-api-key";
+
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 async function poll() {
   try {
-    const response = await fetch("/api/cluster", { cache: "no-store", signal: AbortSignal.timeout(2500) });
+    const response = await fetch("/api/cluster", {
+      cache: "no-store",
+      headers: authHeaders(),
+      signal: AbortSignal.timeout(2500),
+    });
+    if (response.status === 401) {
+      const key = window.prompt("This coordinator needs its API key:");
+      if (key) sessionStorage.setItem(KEY_ITEM, key.trim());
+      throw new Error("API key needed");
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     draw(await response.json());
   } catch (err) {

@@ -1,0 +1,1 @@
+"""`cluster up --hosts FILE`: node services on other machines over ssh, and the coordinator here."""

@@ -1,0 +1,89 @@
+"""A chat request rendered into prompt tokens through the model's own chat template.
+
+The template gets the messages as Hugging Face templates expect them (an assistant's calls with
+their arguments as objects, `tool` results with the id of the call they answer), the tools the
+model may call (its `tools` argument) and the request's `chat_template_kwargs`. A call the
+request forces (`tool_choice` "required" or a named function) is begun in the prompt itself,
+in the template's own call format, so the model can only go on with it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from coordinator.chat_request import ChatMessage, ChatRequest
+from coordinator.openai_schema import ApiError
+from coordinator.reasoning import THINK_CLOSE, THINK_OPEN
+from coordinator.tool_calls import CALL_OPEN
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    tokens: tuple[int, ...]
+    starts_in_reasoning: bool  # the prompt opens a think block the reply goes on with
+    reply_prefix: str = ""  # the start of the reply, written by the prompt (a forced call)
+
+
+def render_chat_prompt(tokenizer: Any, chat: ChatRequest) -> ChatPrompt:
+    """The prompt's tokens; a template that refuses the conversation is a 400."""
+    tools = chat.offered_tools
+    kwargs: dict[str, Any] = dict(chat.template_kwargs)
+    if tools:
+        kwargs["tools"] = list(tools)
+    try:
+        text = tokenizer.apply_chat_template(
+            [_template_message(m) for m in chat.messages],
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
+    except TemplateError as exc:  # templates reject e.g. a conversation in a bad order
+        raise ApiError(400, f"the chat template rejected the messages: {exc}") from exc
+    starts_in_reasoning = _opens_think_block(text)
+    prefix = _forced_call_start(chat, str(getattr(tokenizer, "chat_template", "") or ""))
+    if prefix and starts_in_reasoning:  # a forced call comes right away, without thinking
+        text += f"\n{THINK_CLOSE}\n\n"
+        starts_in_reasoning = False
+    tokens = tokenizer.encode(text + prefix, add_special_tokens=False)
+    return ChatPrompt(tuple(int(t) for t in tokens), starts_in_reasoning, prefix)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role  # its newer name
+    out: dict[str, Any] = {"role": role, "content": message.content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.loads(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def _opens_think_block(text: str) -> bool:
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+
+
+def _forced_call_start(chat: ChatRequest, template: str) -> str:
+    """The opening of the call `tool_choice` requires, in the form the template teaches."""
+    choice = chat.tool_choice
+    if choice.mode == "required":
+        return f"{CALL_OPEN}\n"
+    if choice.mode != "function":
+        return ""
+    if "<function=" in template:  # the XML form of Qwen3-Coder and Qwen3.5
+        return f"{CALL_OPEN}\n<function={choice.function}>\n"
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(choice.function)}, "arguments": '

@@ -1,0 +1,246 @@
+"""`cluster up --hosts FILE` across three pretend Macs (tests/hostlab.py: network namespaces,
+each with its own sshd), from the root namespace, as a person runs it.
+
+One lab and one `up` serve the module; the tests run in file order and the last one takes
+everything down. Nothing is started on the real network: traffic stays on loopback and the
+lab's own addresses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests import hostlab
+from tests.daemons import free_port, wait_until
+
+pytestmark = pytest.mark.skipif(hostlab.available() is not None, reason=str(hostlab.available()))
+
+MAX_TOKENS = 16
+PROMPT = "def fibonacci(n):\n"
+ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
+MODEL = Path(__file__).resolve().parent.parent / "cluster" / "assets" / "qwen3_5-tiny-mtp"
+
+
+def cluster(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_cluster_file(path: Path, lab: hostlab.HostLab, nodes: list[dict[str, str]]) -> Path:
+    lines = [
+        f'model = "{MODEL}"',
+        f"port = {free_port()}",
+        f'ssh_config = "{lab.ssh_config}"',
+        f'secret_file = "{lab.directory / "secret"}"',
+    ]
+    for node in nodes:
+        lines.append("[[node]]")
+        lines += [f'{key} = "{value}"' for key, value in node.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def state_dir(lab: hostlab.HostLab, index: int) -> Path:
+    return lab.directory / "state" / f"mac{index}"
+
+
+def lab_nodes(lab: hostlab.HostLab, command: Path) -> list[dict[str, str]]:
+    return [
+        {
+            "ssh": host.name,
+            "name": f"mac{i}",
+            "cluster": str(command),
+            "service": "process",
+            "state_dir": str(state_dir(lab, i)),
+        }
+        for i, host in enumerate(lab.hosts)
+    ]
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append((int(pid), cmdline))
+    return found
+
+
+@dataclass
+class Up:
+    process: subprocess.Popen
+    log: Path
+    url: str
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def start_up(cluster_file: Path, log: Path) -> Up:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster", "up", "--hosts", str(cluster_file)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def endpoint() -> str | None:
+        text = log.read_text()
+        if process.poll() is not None:
+            raise AssertionError(f"cluster up --hosts exited with {process.returncode}:\n{text}")
+        match = ENDPOINT.search(text)
+        return match.group(1) if match else None
+
+    return Up(process, log, wait_until(endpoint, "cluster up --hosts", 90.0))
+
+
+@dataclass
+class Lab:
+    lab: hostlab.HostLab
+    cluster_file: Path
+    command: Path
+    up: Up
+    reference: dict
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    directory = tmp_path_factory.mktemp("hosts")
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "cluster", "generate", "--prompt", PROMPT,
+         "--max-tokens", str(MAX_TOKENS), "--json"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    the_lab = hostlab.HostLab(directory / "lab").start()
+    up = None
+    try:
+        command = the_lab.cluster_command()
+        cluster_file = write_cluster_file(
+            directory / "cluster.toml", the_lab, lab_nodes(the_lab, command)
+        )
+        up = start_up(cluster_file, directory / "up.log")
+        out, _ = reference.communicate(timeout=60)
+        yield Lab(the_lab, cluster_file, command, up, json.loads(out))
+    finally:
+        reference.kill()
+        if up is not None:
+            up.stop()
+        if (directory / "cluster.toml").exists():
+            cluster("down", "--hosts", str(directory / "cluster.toml"))
+        the_lab.close()
+
+
+def complete(up: Up) -> str:
+    client = up.client()
+    model = client.models.list().data[0].id
+    reply = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    return reply.choices[0].text
+
+
+def test_up_serves_the_single_process_tokens_and_hides_the_secret(lab: Lab):
+    assert complete(lab.up) == lab.reference["text"]
+    secret = (lab.lab.directory / "secret").read_text().strip()
+    assert len(secret) >= 32
+    assert processes_mentioning(secret) == []  # on no command line, anywhere
+    assert (lab.lab.directory / "secret").stat().st_mode & 0o777 == 0o600
+    for i in range(len(lab.lab.hosts)):
+        on_host = state_dir(lab.lab, i) / "secret"
+        assert on_host.read_text().strip() == secret
+        assert on_host.stat().st_mode & 0o777 == 0o600
+    text = lab.up.log.read_text()
+    assert text.count(": started [process]") == 3, text
+
+
+def test_second_up_finds_the_nodes_running(lab: Lab):
+    """The coordinator stops (Ctrl-C); the nodes stay; `up` again changes nothing on them."""
+    supervisors = sorted(p for p, _ in processes_mentioning("cluster.hosts.supervisor"))
+    lab.up.stop()
+    assert sorted(p for p, _ in processes_mentioning("cluster.hosts.supervisor")) == supervisors
+    lab.up = start_up(lab.cluster_file, lab.up.log.with_name("up-again.log"))
+    text = lab.up.log.read_text()
+    assert text.count(": running [process]") == 3, text
+    assert complete(lab.up) == lab.reference["text"]
+    assert sorted(p for p, _ in processes_mentioning("cluster.hosts.supervisor")) == supervisors
+
+
+@pytest.mark.parametrize("problem", ["unreachable", "no project", "old version"])
+def test_a_bad_host_is_named_and_nothing_is_started(lab: Lab, tmp_path: Path, problem: str):
+    nodes = lab_nodes(lab.lab, lab.command)
+    nodes = [
+        {**n, "name": f"bad{i}", "state_dir": str(tmp_path / f"bad{i}")}
+        for i, n in enumerate(nodes)
+    ]
+    bad = nodes[1]
+    if problem == "unreachable":
+        bad["ssh"] = f"lab{lab.lab.tag}-refusing"
+        expected = "ssh cannot reach it"
+    elif problem == "no project":
+        bad["cluster"] = str(tmp_path / "nowhere" / "cluster")
+        expected = "the project is not installed there"
+    else:
+        old = tmp_path / "old-cluster"
+        old.write_text('#!/bin/sh\necho \'{"version": "0.0.1"}\'\n')
+        old.chmod(0o755)
+        bad["cluster"] = str(old)
+        expected = "has cluster 0.0.1"
+    cluster_file = write_cluster_file(tmp_path / "bad.toml", lab.lab, nodes)
+    started = time.monotonic()
+    result = cluster("up", "--hosts", str(cluster_file))
+    assert time.monotonic() - started < 30
+    assert result.returncode != 0
+    assert f"host {bad['ssh']!r}" in result.stderr and expected in result.stderr, result.stderr
+    assert "nothing was started" in result.stderr
+    assert not any((tmp_path / f"bad{i}").exists() for i in range(3))
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_typo_in_the_cluster_file_is_named(lab: Lab, tmp_path: Path):
+    path = tmp_path / "typo.toml"
+    path.write_text(f'model = "{MODEL}"\n[[node]]\nssh = "a"\nadress = "10.0.0.1"\n')
+    result = cluster("up", "--hosts", str(path))
+    assert result.returncode != 0
+    assert "'adress'" in result.stderr and "did you mean 'address'" in result.stderr
+
+
+def test_down_leaves_nothing_behind(lab: Lab):
+    lab.up.stop()
+    result = cluster("down", "--hosts", str(lab.cluster_file))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(": removed") == 3, result.stdout
+    for i, host in enumerate(lab.lab.hosts):
+        assert not state_dir(lab.lab, i).exists()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", host.namespace], capture_output=True, text=True
+        ).stdout.split()
+        commands = [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids]
+        assert all(b"sshd" in c for c in commands), commands  # only the lab's own sshd
+    assert processes_mentioning(str(lab.lab.directory / "state")) == []
+    again = cluster("down", "--hosts", str(lab.cluster_file))
+    assert again.returncode == 0 and again.stdout.count(": absent") == 3

@@ -1,0 +1,439 @@
+"""MTP deeper than one draft: greedy identity at depths 1..4 with rejections at every
+position, every cache (the MTP head's included) equal to a run that never saw a draft, in one
+process and over three nodes (one step message per hop at any depth); lossless sampling at
+depth 3; requests of different depths in one batch; the adaptive depth policy."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import nodes
+import numpy as np
+import pytest
+from checkpoints import make_checkpoint
+from conftest import CODE_PROMPTS, run
+from forced_rejections import ForcedRejections
+from mlx_lm.models.cache import KVCache
+from nodes import NodeGroup, node_infos, remote_engine
+from scipy.stats import chisquare
+from test_sampling import _homogeneity_pvalue
+
+from cluster.decode import verify
+from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.mtp_depth import Acceptance, DepthPolicy, best_depth
+from cluster.decode.sampling import RequestRandom
+from cluster.decode.step_cost import StepCost
+from cluster.local import LocalEngine, even_ranges, open_local_engine
+from cluster.messages import (
+    RequestError,
+    RequestOptions,
+    SamplingParams,
+    StepRequest,
+    parse_mtp_depth,
+)
+
+node_factory = nodes.node_factory  # the fixture, for this module
+
+MAX_TOKENS = 24
+DEPTHS = (1, 2, 3, 4)
+MOE_PROMPTS = ((5, 17, 300, 42, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9))
+
+
+class _Model:
+    """A model, its prompts and the greedy output of a run without MTP (the oracle)."""
+
+    def __init__(self, path: Path, prompts: list[tuple[int, ...]]):
+        self.path = path
+        self.prompts = prompts
+        self.oracle: dict[str, tuple[int, ...]] = {}
+        self.local: LocalEngine | None = None
+        self.clean: ForcedRejections | None = None
+
+    def requests(self, depth: int | str, mtp: bool = True) -> list[GenerationRequest]:
+        options = RequestOptions(mtp=mtp, mtp_depth=depth)
+        return [
+            GenerationRequest(p, MAX_TOKENS, options, request_id=f"p{i}")
+            for i, p in enumerate(self.prompts)
+        ]
+
+
+def _open(path: Path, prompts: list[tuple[int, ...]]) -> _Model:
+    model = _Model(path, prompts)
+
+    async def go() -> None:
+        plain = await open_local_engine(path, mtp=False)
+        try:
+            for request in model.requests(0, mtp=False):
+                out = await plain.engine.generate(request)
+                assert out.drafted == 0 and len(out.tokens) == MAX_TOKENS
+                model.oracle[request.request_id] = request.prompt + out.tokens
+        finally:
+            plain.close()
+        model.local = await open_local_engine(path)
+        # The run that never sees a draft: MTP on (its cache is fed) at depth 0; state kept.
+        model.clean = ForcedRejections(model.local.engine.pipeline, {}, keep_state=True)
+        engine = GenerationEngine(model.clean)
+        for request in model.requests(0):
+            assert (await engine.generate(request)).drafted == 0
+
+    run(go())
+    return model
+
+
+@pytest.fixture(scope="module")
+def bundled(model_dir, tokenizer):
+    model = _open(model_dir, [tuple(tokenizer.encode(p)) for p in CODE_PROMPTS[:2]])
+    yield model
+    model.local.close()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("moe"), moe=True)
+    model = _open(path, list(MOE_PROMPTS))
+    yield model
+    model.local.close()
+
+
+def _layer_arrays(cache) -> list[np.ndarray]:
+    if isinstance(cache, KVCache):
+        keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        return [np.array(keys.astype(mx.float32)), np.array(values.astype(mx.float32))]
+    return [np.array(a.astype(mx.float32)) for a in cache.cache]
+
+
+def _assert_same_caches(a, b) -> None:
+    assert a.position == b.position
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for x, y in zip(_layer_arrays(la), _layer_arrays(lb), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def _assert_forced_everywhere(forced: Counter, depth: int) -> None:
+    """A rejection at every draft position of a k-draft step, and steps with none."""
+    assert all(forced[(depth, at)] > 0 for at in range(1, depth + 2)), forced
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("which", ["bundled", "moe"])
+def test_greedy_identity_and_caches_in_one_process(which: str, depth: int, request) -> None:
+    model: _Model = request.getfixturevalue(which)
+    local = model.local
+    forced = ForcedRejections(local.engine.pipeline, model.oracle, keep_state=True)
+
+    async def go():
+        engine = GenerationEngine(forced)
+        return [await engine.generate(r) for r in model.requests(depth)]
+
+    outputs = run(go())
+    for request_, out in zip(model.requests(depth), outputs, strict=True):
+        assert request_.prompt + out.tokens == model.oracle[request_.request_id]
+    _assert_forced_everywhere(forced.forced, depth)
+    clean_ids = {rid.split(".")[0]: rid for rid in model.clean.held}
+
+    def compare() -> None:  # on the MLX thread, which owns the arrays
+        forced.settle(local.runners)
+        for run_id in forced.held:
+            clean_id = clean_ids[run_id.split(".")[0]]
+            for runner in local.runners:
+                ours, theirs = runner.requests[run_id], runner.requests[clean_id]
+                _assert_same_caches(ours.cache, theirs.cache)
+                if ours.tail is not None:
+                    _assert_same_caches(ours.tail.mtp_cache, theirs.tail.mtp_cache)
+
+    try:
+        local.worker.call(compare)
+    finally:
+        for run_id in forced.held:
+            run(local.engine.pipeline.release(run_id))
+
+
+@pytest.fixture(scope="module")
+def trio(node_factory) -> NodeGroup:
+    return node_factory(3)
+
+
+@pytest.mark.parametrize("which", ["bundled", "moe"])
+def test_greedy_identity_over_three_nodes(which: str, trio, request) -> None:
+    """Every depth with forced rejections; one step message per hop per step at any depth."""
+    model: _Model = request.getfixturevalue(which)
+    layers = 8 if which == "bundled" else 4
+
+    async def go():
+        ranges = even_ranges(layers, 3)
+        async with remote_engine(model.path, trio.addresses, ranges=ranges) as (_, pipeline):
+            for depth in DEPTHS:
+                forced = ForcedRejections(pipeline, model.oracle)
+                engine = GenerationEngine(forced)
+                before = [i.steps_total for i in await node_infos(trio.addresses)]
+                sent_before = pipeline.messages_sent
+                chunks: list = []
+                for r in model.requests(depth):
+                    out = await engine.generate(r, chunks.append)
+                    assert r.prompt + out.tokens == model.oracle[r.request_id], depth
+                after = [i.steps_total for i in await node_infos(trio.addresses)]
+                sent = pipeline.messages_sent - sent_before
+                # One prefill message per request, then one per decode step (= per chunk after
+                # the first); every node received exactly those.
+                assert sent == len(chunks), depth
+                assert [b - a for a, b in zip(before, after, strict=True)] == [sent] * 3
+                _assert_forced_everywhere(forced.forced, depth)
+
+    run(go())
+
+
+def test_requests_of_different_depths_share_a_batch(bundled) -> None:
+    local = bundled.local
+    depths: list[int | str] = [0, 1, 2, 3, 4, "auto"]
+    runner = local.runners[0]
+    batches: list[set[int]] = []
+    real_run = runner.run
+
+    def spy(steps, hidden=None):
+        batches.append({s.draft_len for s in steps})
+        return real_run(steps, hidden)
+
+    runner.run = spy
+    try:
+        requests = [bundled.requests(depth)[i % 2] for i, depth in enumerate(depths)]
+
+        async def go():
+            return await asyncio.gather(*(local.engine.generate(r) for r in requests))
+
+        outputs = run(go())
+    finally:
+        del runner.run
+    for r, out in zip(requests, outputs, strict=True):
+        assert r.prompt + out.tokens == bundled.oracle[r.request_id]
+    assert max(len(b) for b in batches) >= 3, batches  # drafts of several depths, one batch
+    assert all(not runner.requests.keys() - set(bundled.clean.held) for runner in local.runners)
+
+
+SAMPLED_DRAWS = 200  # per run; the verifier's own test below has the statistical power
+SHORT_PROMPT = "def "
+
+
+async def _sampled_tokens(model_dir: Path, prompt: tuple[int, ...], depth: int, seed0: int):
+    local = await open_local_engine(model_dir, mtp=depth > 0)
+    try:
+        requests = [
+            GenerationRequest(
+                prompt,
+                5,
+                RequestOptions(SamplingParams(1.0, seed=seed0 + i), mtp=depth > 0, mtp_depth=depth),
+            )
+            for i in range(SAMPLED_DRAWS)
+        ]
+        outs = await asyncio.gather(*(local.engine.generate(r) for r in requests))
+        if depth:
+            assert sum(o.drafted for o in outs) >= SAMPLED_DRAWS * depth  # deep steps ran
+        return [[o.tokens[i] for o in outs] for i in (1, 2, 3)]
+    finally:
+        local.close()
+
+
+def test_sampling_at_depth_three_is_distributed_as_without_mtp(model_dir, tokenizer) -> None:
+    """Tokens 1..3 come from one step [y, d1, d2, d3] of the chained head: each is distributed
+    as without MTP."""
+    prompt = tuple(tokenizer.encode(SHORT_PROMPT))
+    plain = run(_sampled_tokens(model_dir, prompt, 0, 0))
+    spec = run(_sampled_tokens(model_dir, prompt, 3, 10**6))
+    for a, b in zip(plain, spec, strict=True):
+        assert _homogeneity_pvalue(a, b) > 1e-3
+
+
+def _verify_three(p: np.ndarray, q: np.ndarray, trials: int, accept_all: bool) -> list[Counter]:
+    """Draft three tokens from q[i], verify against p[i] (p[3]: the bonus); count the token
+    emitted at each position among the trials that reached it."""
+    params, rng = SamplingParams(1.0), RequestRandom(7)
+    target, draft = mx.log(mx.array(p)), mx.log(mx.array(q))
+    counts = [Counter() for _ in range(3)]
+    for _ in range(trials):
+        drafts = tuple(mx.random.categorical(draft, key=rng.next_key()).tolist())
+        c = verify.propose(target, drafts, draft, params, rng)
+        if accept_all:
+            c = verify.Candidates(c.target, mx.ones_like(c.accept), c.correction)
+        mx.eval(c.arrays())
+        emitted, _ = verify.decide(c, drafts)
+        for i, token in enumerate(emitted[:3]):
+            counts[i][token] += 1
+    return counts
+
+
+def _fits(counts: Counter, p: np.ndarray) -> float:
+    observed = np.array([counts[t] for t in range(len(p))])
+    return float(chisquare(observed, p * observed.sum()).pvalue)
+
+
+def test_verification_of_three_drafts_is_lossless_and_the_test_has_power() -> None:
+    """The sequential rule: whatever position a step reaches, its token is distributed as the
+    target's there; accepting every draft instead is caught by the same test."""
+    p = np.array([[0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1], [0.25, 0.25, 0.25, 0.25],
+                  [0.4, 0.3, 0.2, 0.1]])  # fmt: skip
+    q = np.array([[0.1, 0.6, 0.1, 0.2], [0.2, 0.2, 0.5, 0.1], [0.7, 0.1, 0.1, 0.1]])
+    counts = _verify_three(p, q, 3000, accept_all=False)
+    assert all(_fits(counts[i], p[i]) > 1e-3 for i in range(3)), counts
+    assert min(sum(c.values()) for c in counts) > 500  # every position was reached often
+    biased = _verify_three(p, q, 3000, accept_all=True)
+    assert _fits(biased[0], p[0]) < 1e-3
+
+
+def test_sampled_drafts_must_be_the_tails(bundled) -> None:
+    local = bundled.local
+    runner = local.runners[0]
+    prompt = bundled.prompts[0]
+    options = RequestOptions(SamplingParams(1.0, seed=3), mtp_depth=2)
+
+    def go():
+        (first,) = runner.run([StepRequest("s", prompt, 0, options=options)]).results
+        assert len(first.drafts) == 2
+        y, (d1, d2) = first.tokens[0], first.drafts
+        out = runner.run([StepRequest("s", (y, d1, (d2 + 1) % 8192), len(prompt), draft_len=2)])
+        assert "not the tail's" in str(out.errors["s"])
+        runner.release("s")
+
+    local.worker.call(go)
+
+
+# ---- the adaptive policy ----
+
+
+def _cost(per_row: float, base: float = 1.0) -> StepCost:
+    cost = StepCost()
+    for positions in (1, 2, 4, 8):
+        cost.record(positions, base + per_row * (positions - 1))
+    return cost
+
+
+def test_auto_drafts_deep_where_rows_are_cheap_and_not_where_they_cost() -> None:
+    high = Acceptance()
+    for _ in range(50):
+        high.record(4, 4)
+    assert best_depth(high, _cost(per_row=0.02), others=0) == 4  # a GPU: rows nearly free
+    low = Acceptance()
+    for _ in range(50):
+        low.record(2, 0)
+    assert best_depth(low, _cost(per_row=1.0), others=0) == 0  # a CPU: every row costs
+    # A long batch: the request's rows cost per row even where a lone step's rows are free.
+    assert best_depth(high, _cost(per_row=1.0), others=30) < best_depth(high, _cost(0.02), 0)
+
+
+def test_acceptance_counts_only_judged_positions() -> None:
+    acceptance = Acceptance()
+    acceptance.record(3, 1)  # d1 passed, d2 failed, d3 never judged
+    assert acceptance.judged == [1.0, 1.0, 0.0] and acceptance.passed == [1.0, 0.0, 0.0]
+    assert acceptance.rate(0) > acceptance.rate(2) > acceptance.rate(1)
+
+
+def test_fixed_depths_stay_fixed_and_auto_explores() -> None:
+    assert DepthPolicy(3).next_depth(_cost(1.0), 0) == 3
+    auto = DepthPolicy("auto")
+    for _ in range(50):
+        auto.record(1, 0)
+    chosen = [auto.next_depth(_cost(1.0), 0) for _ in range(32)]
+    assert chosen.count(0) == 30 and chosen.count(1) == 2
+
+
+def test_a_new_request_starts_from_the_nodes_acceptance() -> None:
+    node = Acceptance()
+    for _ in range(50):
+        DepthPolicy("auto", node).record(2, 0)  # every request's verdicts reach the node's
+    assert node.judged[0] > 10
+    assert DepthPolicy("auto", node).next_depth(_cost(1.0), 0) == 0
+    assert DepthPolicy("auto").next_depth(_cost(0.02), 0) == 4  # optimistic, rows nearly free
+
+
+def test_step_cost_interpolates_and_extrapolates() -> None:
+    cost = StepCost()
+    assert cost.seconds(3) is None
+    cost.record(2, 2.0)
+    assert cost.seconds(1) == cost.seconds(5) == 2.0  # one point: flat
+    cost.record(4, 4.0)
+    assert cost.seconds(3) == 3.0 and cost.seconds(6) == 6.0
+    with pytest.raises(ValueError):
+        cost.record(0, 1.0)
+
+
+def test_mtp_depth_option_is_validated() -> None:
+    assert parse_mtp_depth("auto") == "auto" and parse_mtp_depth("3") == 3
+    for bad in ("-1", "9", "deep", ""):
+        with pytest.raises(RequestError, match="mtp_depth"):
+            parse_mtp_depth(bad)
+    with pytest.raises(RequestError):
+        RequestOptions(mtp_depth=True)
+
+
+# ---- the option on the command line and in the HTTP API ----
+
+
+def test_generate_takes_mtp_depth(model_dir) -> None:
+    from click.testing import CliRunner
+
+    from cluster.cli import main
+
+    args = ["generate", "--prompt", CODE_PROMPTS[0], "--max-tokens", "12", "--json"]
+    outs = {depth: CliRunner().invoke(main, [*args, "--mtp-depth", depth]) for depth in ("0", "3")}
+    assert all(out.exit_code == 0 for out in outs.values()), outs
+    plain, deep = (json.loads(outs[d].output) for d in ("0", "3"))
+    assert plain["tokens"] == deep["tokens"] and plain["drafted"] == 0 < deep["drafted"]
+    bad = CliRunner().invoke(main, [*args, "--mtp-depth", "9"])
+    assert bad.exit_code != 0 and "mtp_depth" in bad.output
+
+
+def test_http_requests_name_their_depth_or_get_the_servers() -> None:
+    from fakes import MODEL_ID, FakeClusterView, FakeEngine, ServedApp, tokenizer
+
+    from coordinator.admission import AdmissionController
+    from coordinator.api import create_app
+
+    engine, view = FakeEngine.saying("x = 1"), FakeClusterView()
+    app = create_app(
+        engine, tokenizer(), view, model_id=MODEL_ID, admission=AdmissionController(2, 2, 5.0),
+        counters=view.counters, mtp_depth="auto",
+    )  # fmt: skip
+    served = ServedApp(app)
+    served.start()
+    try:
+
+        def post(body: dict) -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+            try:
+                body = {"prompt": "def f(", "max_tokens": 4, **body}
+                conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})  # fmt: skip
+                response = conn.getresponse()
+                response.read()
+                return response.status
+            finally:
+                conn.close()
+
+        assert post({"mtp_depth": 3}) == 200 and engine.requests[-1].options.mtp_depth == 3
+        assert post({}) == 200 and engine.requests[-1].options.mtp_depth == "auto"
+        assert post({"mtp_depth": 0}) == 200 and engine.requests[-1].options.mtp_depth == 0
+        assert post({"mtp_depth": "deep"}) == 400 and post({"mtp_depth": 9}) == 400
+        assert len(engine.requests) == 3
+    finally:
+        served.stop()
+
+
+def test_sampled_deep_drafts_over_three_nodes_match_one_process(trio, bundled) -> None:
+    """Seeded sampling at depth 3: the same tokens across nodes as in one process (the drafts
+    and their distributions stay on the tail; only token ids travel)."""
+    options = RequestOptions(SamplingParams(0.8, seed=11), mtp_depth=3)
+    request = GenerationRequest(bundled.prompts[0], MAX_TOKENS, options)
+
+    async def remote():
+        ranges = even_ranges(8, 3)
+        async with remote_engine(bundled.path, trio.addresses, ranges=ranges) as (engine, _):
+            return await engine.generate(request)
+
+    async def local():
+        return await bundled.local.engine.generate(request)
+
+    there, here = run(remote()), run(local())
+    assert there.tokens == here.tokens and there.drafted == here.drafted > MAX_TOKENS // 2
