@@ -89,12 +89,11 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
     first = _prefill(drafted, "r", prompt)
     assert _prefill(clean, "r", prompt) == first
     (y,), n = first.tokens, len(prompt)
-    wrong = (first.draft + 1) % 8192
-    drafted.requests["r"].tail.draft = wrong
+    wrong = (first.drafts[0] + 1) % 8192
     (rejected,) = drafted.run([StepRequest("r", (y, wrong), n, draft_len=1)]).results
     assert rejected.keep == 1 and rejected.accepted == 0
     (alone,) = clean.run([StepRequest("r", (y,), n)]).results
-    assert rejected.tokens == alone.tokens and rejected.draft == alone.draft
+    assert rejected.tokens == alone.tokens and rejected.drafts == alone.drafts
     nxt = StepRequest("r", alone.tokens, n + 1)
     carried = StepRequest("r", nxt.tokens, nxt.position, rollback=1)
     assert drafted.run([carried]).results == clean.run([nxt]).results
