@@ -8,9 +8,9 @@ other, `--concurrent` requests `--concurrency` at a time, and `--hangups` stream
 whose client hangs up after the first event. After each wave (once every node reports no
 request held) it records each node's resident memory (RSS), MLX's active and cached memory
 (from the node's Info) and the conversation cache's snapshots in it, and the coordinator's
-RSS. A leak shows as growth after the first
-wave (which warms every buffer and cache up); the report gives, per process, the largest
-change from the first wave, in percent. The machine's background load does not matter here:
+RSS. A leak shows as growth after the first wave (which warms every buffer and cache up): the
+report gives, per process and in percent of its memory after the second wave, the largest
+change from it and the last wave's change. The machine's background load does not matter:
 memory, not time, is measured.
 """
 
@@ -102,10 +102,15 @@ async def _node_memory(addresses: list[str], token: str) -> list[dict]:
             await client.close()
 
 
-def _growth(series: list[int]) -> float:
-    """The largest change from the first value, in percent of it."""
+def _growth(series: list[int]) -> dict[str, float]:
+    """In percent of the first value: the largest change from it, and the last one's."""
     base = series[0]
-    return max(abs(v - base) for v in series) / base * 100 if base else 0.0
+    if not base:
+        return {"max_pct": 0.0, "drift_pct": 0.0}
+    return {
+        "max_pct": max(abs(v - base) for v in series) / base * 100,
+        "drift_pct": (series[-1] - base) / base * 100,
+    }
 
 
 async def soak(args: argparse.Namespace) -> dict:
@@ -141,16 +146,16 @@ async def soak(args: argparse.Namespace) -> dict:
             stop([coordinator])
     after_first = rows[1:] if len(rows) > 1 else rows
     growth = {
-        "coordinator_rss_pct": _growth([r["coordinator_rss"] for r in after_first]),
+        "coordinator_rss": _growth([r["coordinator_rss"] for r in after_first]),
         "nodes": [
             {
-                "rss_pct": _growth([r["nodes"][i]["rss"] for r in after_first]),
-                "rss_less_mlx_cache_pct": _growth(
+                "rss": _growth([r["nodes"][i]["rss"] for r in after_first]),
+                "rss_less_mlx_cache": _growth(
                     [r["nodes"][i]["rss"] - r["nodes"][i]["mlx_cache"] for r in after_first]
                 ),
-                "mlx_active_pct": _growth([r["nodes"][i]["mlx_active"] for r in after_first]),
+                "mlx_active": _growth([r["nodes"][i]["mlx_active"] for r in after_first]),
                 # The conversation cache keeps prefix snapshots up to its budget: not a leak.
-                "mlx_active_less_prefix_cache_pct": _growth(
+                "mlx_active_less_prefix_cache": _growth(
                     [
                         r["nodes"][i]["mlx_active"] - r["nodes"][i]["prefix_snapshots"]
                         for r in after_first
@@ -191,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = asyncio.run(soak(args))
     growth = report["growth_after_first_wave"]
-    print(f"\n{report['waves'][-1]['requests']} requests; largest change after wave 1:")
-    print(f"  coordinator RSS {growth['coordinator_rss_pct']:.1f} %")
+    print(f"\n{report['waves'][-1]['requests']} requests; after wave 1, largest change / drift:")
+
+    def pct(g: dict[str, float]) -> str:
+        return f"{g['max_pct']:.1f} / {g['drift_pct']:+.1f} %"
+
+    print(f"  coordinator RSS {pct(growth['coordinator_rss'])}")
     for i, node in enumerate(growth["nodes"]):
         print(
-            f"  node {i}: RSS {node['rss_pct']:.1f} %, RSS less MLX cache "
-            f"{node['rss_less_mlx_cache_pct']:.1f} %, MLX active {node['mlx_active_pct']:.1f} % "
-            f"({node['mlx_active_less_prefix_cache_pct']:.1f} % less prefix snapshots)"
+            f"  node {i}: RSS {pct(node['rss'])}, RSS less MLX cache "
+            f"{pct(node['rss_less_mlx_cache'])}, MLX active {pct(node['mlx_active'])} "
+            f"(less prefix snapshots {pct(node['mlx_active_less_prefix_cache'])})"
         )
     write_json(args.json, report)
     return 0
