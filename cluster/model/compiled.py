@@ -56,8 +56,8 @@ def set_layers_enabled(on: bool | None) -> None:
 
 
 def layers_enabled(positions: int) -> bool:
-    """Whether a GatedDeltaNet layer's step runs as one compiled call (the projections, the
-    norms and the MLP too, not only the recurrence)."""
+    """Whether a GatedDeltaNet layer's step of one request runs as one compiled call (the
+    projections, the norms and the MLP too, not only the recurrence)."""
     if positions > MAX_COMPILED_POSITIONS:
         return False
     return enabled(positions) if _layers_override is None else _layers_override

@@ -300,10 +300,12 @@ class PackedDecoderLayer(DecoderLayer):
             self.self_attn = PackedAttention(args)
 
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
-        if self.is_linear and compiled.layers_enabled(x.shape[1]):
-            shapes = {(seg.length, seg.n_confirmed) for seg in segments}
-            if len(shapes) == 1:  # every decode step of requests alike: one compiled call
-                return self._compiled_linear_step(x, segments, slot, *shapes.pop())
+        # One request's decode step: one compiled call. Not for batches: each layer traces its
+        # own graph per batch size, and batch sizes come and go with the requests (8 concurrent
+        # requests ran at a quarter of their speed so); a batch compiles the recurrence only.
+        if self.is_linear and len(segments) == 1 and compiled.layers_enabled(x.shape[1]):
+            seg = segments[0]
+            return self._compiled_linear_step(x, segments, slot, seg.length, seg.n_confirmed)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), segments, slot)
         return h + self.mlp(self.post_attention_layernorm(h))
