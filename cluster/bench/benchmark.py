@@ -69,13 +69,13 @@ async def run_benchmark(
     try:
         warmup = Scenario(WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS, 1, True, True, concurrency=1)
         await _run_checked(client, warmup, [prompts.take(WARMUP_PROMPT_TOKENS)], plan.seed)
-        after = await _counters_since(client, time.monotonic())
+        after = await counters_since(client, time.monotonic())
         results = []
         for scenario in plan.scenarios:
             batch = [prompts.take(scenario.prompt_tokens) for _ in range(scenario.requests)]
             before = after  # read after the nodes went idle: valid at the scenario's start
             records, wall = await _run_checked(client, scenario, batch, plan.seed, on_request_done)
-            after = await _counters_since(client, time.monotonic())
+            after = await counters_since(client, time.monotonic())
             results.append(  # TTFT here is uncached: no two prompts share a prefix
                 {
                     "name": scenario.name,
@@ -130,7 +130,7 @@ async def _cached_ttft(
     return rows
 
 
-async def _counters_since(client: Client, since: float) -> nodes.NodeSnapshot:
+async def counters_since(client: Client, since: float) -> nodes.NodeSnapshot:
     """The nodes' counters as read by a heartbeat after `since` (monotonic time).
 
     The coordinator reads every node's counters once per heartbeat, so `/api/cluster` may
