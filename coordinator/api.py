@@ -12,6 +12,7 @@ is closed explicitly with `aclose()`, which is what frees the request's caches o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -509,9 +510,14 @@ class _Api:
                     return await self._send_events(request, stream, params, fmt, len(prompt))
                 return await self._send_whole(request, stream, fmt, len(prompt))
             finally:
-                await stream.aclose()  # cancels the request on every node if still running
-                self._counters.in_flight -= 1
-                self._counters.completion_tokens_total += stream.completion_tokens
+                try:
+                    # Cancels the request on every node if still running, else releases it
+                    # (keeping the conversation's snapshot). A client that hangs up once the
+                    # response is out cancels this handler: that must not cut the release short.
+                    await asyncio.shield(stream.aclose())
+                finally:
+                    self._counters.in_flight -= 1
+                    self._counters.completion_tokens_total += stream.completion_tokens
 
     async def _send_whole(
         self, request: web.Request, stream: TextStream, fmt: _Format, prompt_tokens: int

@@ -8,6 +8,7 @@ the model on the nodes that answer and loads it again, so the service comes back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -57,12 +58,15 @@ class MeteredEngine:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         drafted = accepted = 0
-        async for chunk in self.engine.stream(request):
-            self.events.append((time.monotonic(), len(chunk.tokens)))
-            self.drafted += chunk.drafted - drafted
-            self.accepted += chunk.accepted - accepted
-            drafted, accepted = chunk.drafted, chunk.accepted
-            yield chunk
+        # Closed with this stream, not later by the garbage collector: the release (and the
+        # conversation cache's snapshot) is done before the HTTP response ends.
+        async with contextlib.aclosing(self.engine.stream(request)) as chunks:
+            async for chunk in chunks:
+                self.events.append((time.monotonic(), len(chunk.tokens)))
+                self.drafted += chunk.drafted - drafted
+                self.accepted += chunk.accepted - accepted
+                drafted, accepted = chunk.drafted, chunk.accepted
+                yield chunk
 
     def tokens_per_s(self) -> float:
         horizon = time.monotonic() - RATE_WINDOW_S
@@ -272,6 +276,9 @@ class Coordinator:
             chip=info.chip,
             os=info.os,
             cpu_count=info.cpu_count,
+            prefix_snapshots=info.prefix_snapshots,
+            prefix_snapshot_bytes=info.prefix_snapshot_bytes,
+            prefix_budget_bytes=info.prefix_budget_bytes,
         )
 
     def stats(self) -> ClusterStats:

@@ -127,7 +127,9 @@ class NodeService(pb_grpc.NodeServicer):
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
                 model_dir = await self.weights.model_dir(request, context.peer())
-                shard = await self.worker.run(load_shard, model_dir, spec, dtype=dtype)
+                shard = await self.worker.run(
+                    load_shard, model_dir, spec, dtype=dtype, for_decoding=True
+                )
             except ShardWeightsError as error:
                 await context.abort(error.code, f"cannot load shard: {error}")
             except (ModelDirError, ValueError, OSError, AttributeError) as error:
