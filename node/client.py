@@ -118,8 +118,10 @@ class RemotePipeline:
         max_context: int,
         heartbeat_s: float = 1.0,
         heartbeat_timeout_s: float = 2.0,
+        epoch: int = 0,
     ):
         self.clients = clients
+        self.epoch = epoch  # LoadShardRequest.epoch of its shards; other epochs are ignored
         self._max_context = max_context
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -176,7 +178,8 @@ class RemotePipeline:
         self._pending[step.request_id].append(future)
         # One writer task owns the shared stream: a caller cancelled mid-write (a client that
         # hung up) must not cancel the stream that every request rides on.
-        self._outbox.put_nowait(step_batch_to_proto([step], None, next(self._sequence)))
+        message = step_batch_to_proto([step], None, next(self._sequence), self.epoch)
+        self._outbox.put_nowait(message)
         return await future
 
     async def release(self, request_id: str) -> None:
@@ -253,6 +256,8 @@ class RemotePipeline:
     async def _listen(self, client: NodeClient, call: grpc.aio.UnaryStreamCall) -> None:
         try:
             async for batch in call:
+                if batch.epoch != self.epoch:
+                    continue  # a late answer about another placement's steps
                 results, errors = results_from_proto(batch)
                 if batch.prefix_dropped and self.on_prefix_dropped is not None:
                     self.on_prefix_dropped(list(batch.prefix_dropped))
@@ -297,6 +302,12 @@ class RemotePipeline:
         if not future.done():
             future.set_result(result)
 
+    def fail(self, error: NodeUnavailable) -> None:
+        """Declare the pipeline broken (a request met an unreachable node): every request in
+        flight fails with `error`, and so does every later submission."""
+        if self.failure is None:
+            self._fail_all(error)
+
     def _fail_all(self, error: NodeUnavailable) -> None:
         log.warning("%s", error)
         self.failure = error
@@ -329,6 +340,7 @@ async def load_pipeline(
     model_digest: str = "",
     weights_port: int = 0,
     prefix_budget_bytes: int | None = None,
+    epoch: int = 0,
 ) -> RemotePipeline:
     """Load the shards (evenly split unless `ranges`) and open the streams.
 
@@ -359,6 +371,7 @@ async def load_pipeline(
                 model_id=Path(model_dir).name,
                 model_digest=model_digest,
                 weights_port=weights_port,
+                epoch=epoch,
             )
             if cache_budget_bytes is not None:
                 request.cache_budget_bytes = cache_budget_bytes
@@ -370,7 +383,7 @@ async def load_pipeline(
         for client in clients:
             await client.close()
         raise
-    pipeline = RemotePipeline(clients, max_context=config.max_context)
+    pipeline = RemotePipeline(clients, max_context=config.max_context, epoch=epoch)
     await pipeline.start()
     return pipeline
 
