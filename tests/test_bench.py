@@ -85,6 +85,9 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
     for row, scenario in zip(rows, scenarios, strict=True):
         for key, value in scenario["metrics"].items():
             assert row[key] == ("" if value is None else str(value)), key
+        assert row["commit"] == run["versions"]["commit"] and row["mlx"] == run["versions"]["mlx"]
+        for node in run["hardware"]:
+            assert node["node_id"] in row["nodes"] and node["chip"] in row["nodes"]
 
 
 def test_url_run_gives_the_same_metric_set(
