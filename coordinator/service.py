@@ -27,7 +27,7 @@ from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
-from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
 from coordinator.weights_host import WeightsHost
 from node.auth import TLSConfig
@@ -93,8 +93,12 @@ class Coordinator:
         serve_weights: bool = True,
         weights_port: int = 0,
         prefix_cache: bool = True,
+        pinned_addresses: frozenset[str] = frozenset(),
     ):
         self.model_dir = model_dir
+        # Nodes whose address was given (a cluster file's `address`): their upstream streams
+        # to exactly it, without measuring the others.
+        self.pinned_addresses = pinned_addresses
         self.prefix_cache = prefix_cache
         self.tls = tls
         self.directory = directory
@@ -181,6 +185,7 @@ class Coordinator:
             ranges=ranges,
             node_model_dir=self.node_model_dir,
             tls=self.tls,
+            pinned_addresses=self.pinned_addresses,
             **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
@@ -261,6 +266,9 @@ class Coordinator:
             step_latency_ms=info.step_latency_ms,
             device=info.device,
             weights_fraction=transfer_fraction(info),
+            hop=HopStatus(info.hop.address, info.hop.kind, info.hop.rtt_ms, info.hop.measured)
+            if info.HasField("hop")
+            else None,
         )
 
     def stats(self) -> ClusterStats:
@@ -299,6 +307,7 @@ async def run_coordinator(
     mtp_depth: MtpDepth = 1,
     weights_port: int = 0,
     prefix_cache: bool = True,
+    pinned_addresses: frozenset[str] = frozenset(),
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     api_keys = api_keys or ApiKeys()
@@ -315,6 +324,7 @@ async def run_coordinator(
         tls=tls,
         weights_port=weights_port,
         prefix_cache=prefix_cache,
+        pinned_addresses=pinned_addresses,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()

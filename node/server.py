@@ -32,6 +32,8 @@ from cluster.model.shard import ShardSpec
 from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
+from node.hop import HopChoice, choose_hop
+from node.links import local_links
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
@@ -93,6 +95,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.subscribers = Subscribers()
         self.stage: Stage | None = None
         self.shard_request: pb.LoadShardRequest | None = None
+        self.links = [link.to_proto() for link in local_links()]
+        self.hop: HopChoice | None = None  # the link to the successor
+        self.shard_loads = 0
         self.weights_bytes = 0
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()
@@ -145,28 +150,43 @@ class NodeService(pb_grpc.NodeServicer):
                 shard, cache_budget_bytes=budget, prefix_budget_bytes=prefix_budget
             )
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
+            self.hop = None
+            if request.next_node:
+                self.hop = await choose_hop(
+                    request.next_node,
+                    list(request.next_node_links),
+                    request.next_node_id,
+                    self.token,
+                    self.tls,
+                )
             self.stage = Stage(
                 runner,
                 self.worker,
                 self.subscribers,
-                next_node=request.next_node or None,
+                next_node=self.hop.address if self.hop else None,
                 token=self.token,
                 tls=self.tls,
             )
             self.shard_request = request
+            self.shard_loads += 1
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
 
     async def Steps(
         self, request_iterator: AsyncIterator[pb.StepBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StepEvent]:
-        stage = await self._require_stage(context)
+        await self._require_stage(context)
         replies: asyncio.Queue[pb.StepEvent | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
                 async for message in request_iterator:
-                    stage.accept(message, replies.put_nowait)
+                    # The stage of now: a reload (LoadShard) replaces it under a long-lived
+                    # stream from an upstream that kept its own shard.
+                    if self.stage is None:
+                        replies.put_nowait(pb.StepEvent(sequence=message.sequence))
+                        continue
+                    self.stage.accept(message, replies.put_nowait)
             finally:
                 replies.put_nowait(None)
 
@@ -216,6 +236,11 @@ class NodeService(pb_grpc.NodeServicer):
         dropped = await self.worker.run(stage.runner.snapshots.drop, ids)
         return pb.PrefixSnapshotDropReply(dropped=len(dropped))
 
+    async def LinkPing(
+        self, request: pb.LinkPingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LinkPingReply:
+        return pb.LinkPingReply(node_id=self.node_id, payload=request.payload)
+
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
     ) -> pb.RollbackReply:
@@ -246,6 +271,10 @@ class NodeService(pb_grpc.NodeServicer):
             uptime_s=time.monotonic() - self.started,
         )
         self.weights.fill_info(info)
+        info.links.extend(self.links)
+        info.shard_loads = self.shard_loads
+        if self.hop is not None and self.stage is not None:
+            info.hop.CopyFrom(self.hop.to_proto())
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
             info.shard.CopyFrom(
@@ -258,6 +287,8 @@ class NodeService(pb_grpc.NodeServicer):
                     is_tail=r.is_tail,
                     dtype=r.dtype,
                     next_node=r.next_node,
+                    next_node_pinned=not r.next_node_links,
+                    next_node_id=r.next_node_id,
                 )
             )
             info.cache_bytes = runner.cache_bytes
