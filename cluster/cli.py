@@ -136,6 +136,7 @@ def _register_commands() -> None:
     """Commands that live beside their concern: the node daemon, the planner, conversion."""
     if "node" in main.commands:
         return
+    from cluster.bench.cli import bench_command
     from cluster.hosts.cli import down_command
     from cluster.hosts.remote import hosts_group
     from cluster.weights.listing import models_command
@@ -151,6 +152,7 @@ def _register_commands() -> None:
         down_command,
         status_command,
         models_command,
+        bench_command,
     )
     for command in commands:
         main.add_command(command)

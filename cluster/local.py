@@ -78,7 +78,9 @@ async def open_local_engine(
     worker = MLXWorker()
     runners = []
     for spec in specs:
-        shard = await worker.run(load_shard, model_dir, spec, dtype=dtype, mtp=mtp)
+        shard = await worker.run(
+            load_shard, model_dir, spec, dtype=dtype, mtp=mtp, for_decoding=True
+        )
         runners.append(ShardRunner(shard, prefix_budget_bytes=prefix_budget_bytes))
     pipeline = LocalPipeline(runners, worker, max_context=config.max_context)
     return LocalEngine(

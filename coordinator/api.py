@@ -12,6 +12,7 @@ is closed explicitly with `aclose()`, which is what frees the request's caches o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -165,6 +166,8 @@ class TextStream:
         self._stop_tokens = request.stop_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the conversation cache spared
+        self.drafted = 0  # MTP drafts of this request so far, and how many were accepted
+        self.accepted = 0
         self.finish_reason: str | None = None
         # Every emitted token's logprob (when asked for), and how many were already taken.
         self.logprobs: list[TokenLogprob] | None = [] if request.options.logprobs else None
@@ -212,6 +215,7 @@ class TextStream:
             return text + self._stops.flush()
         self.completion_tokens += len(chunk.tokens)
         self.cached_tokens = chunk.cached_tokens
+        self.drafted, self.accepted = chunk.drafted, chunk.accepted
         for i, token in enumerate(chunk.tokens):
             if token not in self._stop_tokens:  # an end-of-turn token is not text
                 self._detokenizer.add_token(token)
@@ -475,13 +479,15 @@ class _Api:
         depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
         options = RequestOptions(
             sampling=params.sampling,
+            mtp=params.mtp,
             logprobs=params.top_logprobs is not None,
             top_logprobs=params.top_logprobs or 0,
             mtp_depth=depth,
         )
+        stop_tokens = frozenset() if params.ignore_eos else self._stop_tokens
         try:
             return GenerationRequest(
-                prompt, max_tokens, options, self._stop_tokens, constraint=constraint
+                prompt, max_tokens, options, stop_tokens, constraint=constraint
             )
         except RequestError as exc:
             raise ApiError(400, str(exc), code="invalid_request") from exc
@@ -504,9 +510,14 @@ class _Api:
                     return await self._send_events(request, stream, params, fmt, len(prompt))
                 return await self._send_whole(request, stream, fmt, len(prompt))
             finally:
-                await stream.aclose()  # cancels the request on every node if still running
-                self._counters.in_flight -= 1
-                self._counters.completion_tokens_total += stream.completion_tokens
+                try:
+                    # Cancels the request on every node if still running, else releases it
+                    # (keeping the conversation's snapshot). A client that hangs up once the
+                    # response is out cancels this handler: that must not cut the release short.
+                    await asyncio.shield(stream.aclose())
+                finally:
+                    self._counters.in_flight -= 1
+                    self._counters.completion_tokens_total += stream.completion_tokens
 
     async def _send_whole(
         self, request: web.Request, stream: TextStream, fmt: _Format, prompt_tokens: int
@@ -518,7 +529,7 @@ class _Api:
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
-        usage = Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)
+        usage = _usage(prompt_tokens, stream)
         body = fmt.whole(stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
@@ -545,10 +556,7 @@ class _Api:
                     break
                 text = await stream.next_text()
             if params.include_usage:
-                await _send_event(
-                    response,
-                    fmt.usage(Usage(prompt_tokens, stream.completion_tokens, stream.cached_tokens)),
-                )
+                await _send_event(response, fmt.usage(_usage(prompt_tokens, stream)))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:  # failed after the headers went out: say so in the stream
             self._counters.errors_total += 1
@@ -559,6 +567,16 @@ class _Api:
             return response
         await response.write_eof()
         return response
+
+
+def _usage(prompt_tokens: int, stream: TextStream) -> Usage:
+    return Usage(
+        prompt_tokens,
+        stream.completion_tokens,
+        stream.cached_tokens,
+        stream.drafted,
+        stream.accepted,
+    )
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -42,6 +42,20 @@ class NodeStatus:
     device: str
     weights_fraction: float | None = None  # a weights transfer to the node in progress
     hop: HopStatus | None = None  # to the successor; None on the tail
+    # What `cluster bench` reads: the node's cumulative counters, the round trips of the
+    # coordinator's heartbeat to it and of its own pings to its successor, its machine.
+    steps_total: int = 0
+    batches_total: int = 0
+    busy_seconds_total: float = 0.0
+    rtt_ms: float = 0.0
+    next_hop_rtt_ms: float = 0.0
+    chip: str = ""
+    os: str = ""
+    cpu_count: int = 0
+    # The conversation cache's share on the node: its prefix snapshots, their bytes, budget.
+    prefix_snapshots: int = 0
+    prefix_snapshot_bytes: int = 0
+    prefix_budget_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +168,16 @@ _NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeStatus], float]], ...] = (
     ("cluster_node_memory_used_bytes", "Memory the node uses.", lambda n: n.memory_used_bytes),
     ("cluster_node_memory_total_bytes", "Memory the node has.", lambda n: n.memory_total_bytes),
     ("cluster_node_layers", "Decoder layers the node holds.", lambda node: node.end - node.start),
+    (
+        "cluster_node_prefix_snapshots",
+        "Conversation-cache snapshots the node holds.",
+        lambda node: node.prefix_snapshots,
+    ),
+    (
+        "cluster_node_prefix_snapshot_bytes",
+        "Memory of the node's conversation-cache snapshots.",
+        lambda node: node.prefix_snapshot_bytes,
+    ),
 )
 
 # name -> (type, help); counters are written with the `_total` suffix.

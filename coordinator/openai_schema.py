@@ -25,7 +25,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit; each one costs a scan of the held-back t
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "logit_bias",
-    "mtp_depth",
+    "mtp_depth", "mtp", "ignore_eos",
 })  # fmt: skip
 
 
@@ -71,6 +71,8 @@ class CommonParams:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens, stop tokens or not
+    mtp: bool = True  # this cluster's extension: False runs the request without the MTP head
     top_logprobs: int | None = None  # None: no logprobs; n: the token's and the n likeliest
     mtp_depth: MtpDepth | None = None  # MTP drafts per step (an extension); None: the server's
 
@@ -147,13 +149,22 @@ def common_params(body: dict[str, Any], *, model_id: str, max_context: int) -> C
     max_tokens = _max_tokens(body, max_context)
     stream = optional(body, "stream", bool, False)
     options = optional(body, "stream_options", dict, {})
+    if set(options) - {"include_usage"}:
+        unknown = sorted(set(options) - {"include_usage"})
+        raise invalid(
+            f"'stream_options' takes only 'include_usage', not {unknown}", "stream_options"
+        )
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")
     sampling = _sampling(body)
     _no_op_only(body)
+    ignore_eos = optional(body, "ignore_eos", bool, False)
+    if ignore_eos and max_tokens is None:
+        raise invalid("'ignore_eos' needs 'max_tokens'", "ignore_eos")
     return CommonParams(
         model, max_tokens, sampling, _stop(body.get("stop")), stream, include_usage,
+        ignore_eos=ignore_eos, mtp=optional(body, "mtp", bool, True),
         mtp_depth=_mtp_depth(body.get("mtp_depth")),
     )  # fmt: skip
 
@@ -286,17 +297,27 @@ def unsupported(message: str, param: str) -> ApiError:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts; MTP drafts are OpenAI's prediction tokens (accepted or rejected)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the conversation cache
+    drafted: int = 0
+    accepted: int = 0
 
     def body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.drafted:
+            body["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted,
+                "rejected_prediction_tokens": self.drafted - self.accepted,
+            }
+        return body
 
 
 @dataclass(frozen=True, slots=True)

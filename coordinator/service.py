@@ -8,6 +8,7 @@ the model on the nodes that answer and loads it again, so the service comes back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -57,12 +58,15 @@ class MeteredEngine:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         drafted = accepted = 0
-        async for chunk in self.engine.stream(request):
-            self.events.append((time.monotonic(), len(chunk.tokens)))
-            self.drafted += chunk.drafted - drafted
-            self.accepted += chunk.accepted - accepted
-            drafted, accepted = chunk.drafted, chunk.accepted
-            yield chunk
+        # Closed with this stream, not later by the garbage collector: the release (and the
+        # conversation cache's snapshot) is done before the HTTP response ends.
+        async with contextlib.aclosing(self.engine.stream(request)) as chunks:
+            async for chunk in chunks:
+                self.events.append((time.monotonic(), len(chunk.tokens)))
+                self.drafted += chunk.drafted - drafted
+                self.accepted += chunk.accepted - accepted
+                drafted, accepted = chunk.drafted, chunk.accepted
+                yield chunk
 
     def tokens_per_s(self) -> float:
         horizon = time.monotonic() - RATE_WINDOW_S
@@ -75,6 +79,7 @@ class MeteredEngine:
 class _Heard:
     info: pb.NodeInfo | None = None
     at: float = 0.0  # monotonic time of the last answer
+    rtt_ms: float = 0.0  # how long that answer took
 
 
 class Coordinator:
@@ -218,8 +223,10 @@ class Coordinator:
             client = self._probes[node.address] = NodeClient(node.address, self.token, self.tls)
         heard = self._heard.setdefault(node.address, _Heard())
         try:
+            asked = time.monotonic()
             heard.info = await client.info(timeout=DOWN_AFTER_S - HEARTBEAT_S)
             heard.at = time.monotonic()
+            heard.rtt_ms = (heard.at - asked) * 1000
         except Exception as error:  # any failure means: not up now
             log.debug("node %s: %s", node.address, error)
             return None
@@ -269,6 +276,17 @@ class Coordinator:
             hop=HopStatus(info.hop.address, info.hop.kind, info.hop.rtt_ms, info.hop.measured)
             if info.HasField("hop")
             else None,
+            steps_total=info.steps_total,
+            batches_total=info.batches_total,
+            busy_seconds_total=info.busy_seconds_total,
+            rtt_ms=heard.rtt_ms,
+            next_hop_rtt_ms=info.next_hop_rtt_ms,
+            chip=info.chip,
+            os=info.os,
+            cpu_count=info.cpu_count,
+            prefix_snapshots=info.prefix_snapshots,
+            prefix_snapshot_bytes=info.prefix_snapshot_bytes,
+            prefix_budget_bytes=info.prefix_budget_bytes,
         )
 
     def stats(self) -> ClusterStats:

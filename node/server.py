@@ -34,6 +34,7 @@ from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
 from node.hop import HopChoice, choose_hop
 from node.links import local_links
+from node.hardware import this_machine
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
@@ -131,7 +132,9 @@ class NodeService(pb_grpc.NodeServicer):
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
                 model_dir = await self.weights.model_dir(request, context.peer())
-                shard = await self.worker.run(load_shard, model_dir, spec, dtype=dtype)
+                shard = await self.worker.run(
+                    load_shard, model_dir, spec, dtype=dtype, for_decoding=True
+                )
             except ShardWeightsError as error:
                 await context.abort(error.code, f"cannot load shard: {error}")
             except (ModelDirError, ValueError, OSError, AttributeError) as error:
@@ -261,6 +264,7 @@ class NodeService(pb_grpc.NodeServicer):
         return self.stage
 
     def _info(self) -> pb.NodeInfo:
+        hardware = this_machine()
         info = pb.NodeInfo(
             node_id=self.node_id,
             version=__version__,
@@ -269,6 +273,9 @@ class NodeService(pb_grpc.NodeServicer):
             memory_used_bytes=process_memory_bytes(),
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
+            chip=hardware.chip,
+            os=hardware.os,
+            cpu_count=hardware.cpu_count,
         )
         self.weights.fill_info(info)
         info.links.extend(self.links)
@@ -301,6 +308,10 @@ class NodeService(pb_grpc.NodeServicer):
             info.prefix_snapshot_bytes = runner.snapshots.nbytes
             info.prefix_budget_bytes = runner.snapshots.budget_bytes
             info.prefix_resumes = runner.snapshots.resumes
+            info.busy_seconds_total = stats.busy_s_total
+            info.batches_total = stats.batches_total
+            if self.stage.hop_probe is not None:
+                info.next_hop_rtt_ms = self.stage.hop_probe.mean_rtt_ms
         return info
 
     async def _sweep_idle(self) -> None:

@@ -31,6 +31,7 @@ from cluster.wire import (
     step_batch_to_proto,
 )
 from node.auth import TLSConfig, open_channel, token_metadata
+from node.hop_probe import HopProbe
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -82,6 +83,8 @@ class _Inbound:
 @dataclass(slots=True)
 class StageStats:
     messages_in: int = 0
+    batches_total: int = 0
+    busy_s_total: float = 0.0  # compute time of every batch: busy share = its rate of growth
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
 
     @property
@@ -131,6 +134,7 @@ class Stage:
         self.worker = worker
         self.subscribers = subscribers
         self.downstream = Downstream(next_node, token, tls) if next_node else None
+        self.hop_probe = HopProbe(next_node, token, tls) if next_node else None
         self.max_batch_positions = max_batch_positions
         self.stats = StageStats()
         self._inbound: deque[_Inbound] = deque()
@@ -148,6 +152,8 @@ class Stage:
         self._task.cancel()
         if self.downstream:
             await self.downstream.close()
+        if self.hop_probe:
+            await self.hop_probe.close()
 
     async def _loop(self) -> None:
         while True:
@@ -174,7 +180,10 @@ class Stage:
     async def _process(self, batch: list[_Inbound]) -> None:
         started = time.perf_counter()
         output, errors, dropped = await self.worker.run(self._compute, batch)
-        self.stats.latencies_ms.append((time.perf_counter() - started) * 1000)
+        elapsed = time.perf_counter() - started
+        self.stats.latencies_ms.append(elapsed * 1000)
+        self.stats.busy_s_total += elapsed
+        self.stats.batches_total += 1
         if errors:
             self.subscribers.publish(results_to_proto([], errors))
         if dropped:  # the driver drops them on every node

@@ -23,10 +23,21 @@ TOP = 5
 TOLERANCE = 0.02  # bf16 logits: a cached step and a whole-sequence forward round apart
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["mtp", "no-mtp"])
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[ServedApp, RecordingEngine]]:
-    with serve_local_engine(mtp=request.param) as served:
+@pytest.fixture(scope="module")
+def with_mtp() -> Iterator[tuple[ServedApp, RecordingEngine]]:
+    with serve_local_engine(mtp=True) as served:
         yield served
+
+
+@pytest.fixture(scope="module")
+def without_mtp() -> Iterator[tuple[ServedApp, RecordingEngine]]:
+    with serve_local_engine(mtp=False) as served:
+        yield served
+
+
+@pytest.fixture(params=["with_mtp", "without_mtp"])
+def served(request: pytest.FixtureRequest) -> tuple[ServedApp, RecordingEngine]:
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +136,19 @@ def test_without_logprobs_there_are_none(served) -> None:
     app, _ = served
     reply = _client(app).chat.completions.create(model=MODEL_ID, messages=PROMPT, max_tokens=3)
     assert reply.choices[0].logprobs is None
+
+
+def test_mtp_on_and_off_give_the_same_values(with_mtp, without_mtp) -> None:
+    """Exactly: drafting changes how many positions a step verifies, not their numbers."""
+    shown = []
+    for app, engine in (with_mtp, without_mtp):
+        reply = _client(app).chat.completions.create(
+            model=MODEL_ID, messages=PROMPT, max_tokens=24, temperature=0, logprobs=True,
+            top_logprobs=TOP,
+        )  # fmt: skip
+        content = reply.choices[0].logprobs.content
+        shown.append([(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
+                      for e in content])  # fmt: skip
+        drafted = engine.drafted
+    assert drafted == 0 and with_mtp[1].drafted > 0
+    assert shown[0] == shown[1]

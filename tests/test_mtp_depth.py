@@ -419,3 +419,21 @@ def test_http_requests_name_their_depth_or_get_the_servers() -> None:
         assert len(engine.requests) == 3
     finally:
         served.stop()
+
+
+def test_sampled_deep_drafts_over_three_nodes_match_one_process(trio, bundled) -> None:
+    """Seeded sampling at depth 3: the same tokens across nodes as in one process (the drafts
+    and their distributions stay on the tail; only token ids travel)."""
+    options = RequestOptions(SamplingParams(0.8, seed=11), mtp_depth=3)
+    request = GenerationRequest(bundled.prompts[0], MAX_TOKENS, options)
+
+    async def remote():
+        ranges = even_ranges(8, 3)
+        async with remote_engine(bundled.path, trio.addresses, ranges=ranges) as (engine, _):
+            return await engine.generate(request)
+
+    async def local():
+        return await bundled.local.engine.generate(request)
+
+    there, here = run(remote()), run(local())
+    assert there.tokens == here.tokens and there.drafted == here.drafted > MAX_TOKENS // 2

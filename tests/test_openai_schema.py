@@ -86,6 +86,7 @@ BAD_CHAT = [
     (_chat(n=2), 400, "n", None),
     (_chat(stream="yes"), 400, "stream", None),
     (_chat(stream_options={"include_usage": "yes"}), 400, "stream_options", None),
+    (_chat(stream_options={"continuous_usage_stats": True}), 400, "stream_options", None),
     (_chat(logprobs="yes"), 400, "logprobs", None),
     (_chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     (_chat(top_logprobs=2), 400, "top_logprobs", None),  # without logprobs: true

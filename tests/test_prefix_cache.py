@@ -125,7 +125,7 @@ def test_prefix_missing_on_one_node_falls_back_to_a_full_prefill(
             first = await cached.generate(GenerationRequest(first_prompt, ANSWER_TOKENS, NO_MTP))
             second_prompt = _turns(tokenizer, first, first_prompt)
             entry = index.longest(second_prompt, False)
-            assert entry is not None and len(entry.tokens) > len(first_prompt)
+            assert entry is not None and entry.length > len(first_prompt)
             # The middle node loses the answer's snapshot; the index does not know yet.
             middle = NodeClient(trio.addresses[1], trio.token)
             try:
@@ -140,7 +140,7 @@ def test_prefix_missing_on_one_node_falls_back_to_a_full_prefill(
             after = await _positions(trio.addresses)
             assert second.tokens == reference.tokens
             assert second.cached_tokens == 0 and index.stats.fallbacks == 1
-            assert not index.holds(entry.tokens, mtp=False)
+            assert not index.holds(second_prompt[: entry.length], mtp=False)
             # The tail never computed the abandoned start: a full prefill, and the decode.
             assert after[2] - before[2] == len(second_prompt) + len(second.tokens) - 1
         finally:
@@ -236,6 +236,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             pipeline = coordinator.pipeline
             first = await (await client.post("/v1/chat/completions", json=body)).json()
             assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first
+            # The ends of the prompt and of the answer, indexed before the response ended.
+            index = coordinator.engine.engine.prefix_index
+            assert len(index) == 2
             answer = first["choices"][0]["message"]["content"]
             messages += [
                 {"role": "assistant", "content": answer},
@@ -245,7 +248,6 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             second = await (await client.post("/v1/chat/completions", json=body)).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
             # (A re-placement in between, after a missed heartbeat, would start a new index.)
-            index = coordinator.engine.engine.prefix_index
             assert coordinator.pipeline is pipeline, "the model was re-placed between the turns"
             # At least the first prompt, which every node kept at its end.
             assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"], (
@@ -256,9 +258,13 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             metrics = await (await client.get("/metrics")).text()
             assert "cluster_prefix_cache_hits_total 1\n" in metrics
             assert f"cluster_prefix_cache_saved_tokens_total {cached}\n" in metrics
-            stats = (await (await client.get("/api/cluster")).json())["stats"]
-            assert stats["prefix_cache_hits"] == 1
-            assert stats["prefix_cache_saved_tokens"] == cached
+            document = await (await client.get("/api/cluster")).json()
+            assert document["stats"]["prefix_cache_hits"] == 1
+            assert document["stats"]["prefix_cache_saved_tokens"] == cached
+            # Each node's share: what it holds (the coordinator heard it on its last poll).
+            infos = await node_infos(trio.addresses)
+            assert all(info.prefix_snapshots == len(index) for info in infos)
+            assert 'cluster_node_prefix_snapshot_bytes{node="' in metrics
         finally:
             await client.close()
             await coordinator.close()
@@ -278,13 +284,21 @@ def test_in_process_shards_give_the_cacheless_tokens(model_dir, tokenizer, arun)
         plain = await open_local_engine(model_dir, ranges=ranges, prefill_chunk=16)
         try:
             prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
-            first = await cached.engine.generate(GenerationRequest(prompt, ANSWER_TOKENS))
+            options = RequestOptions(logprobs=True, mtp_depth=2)
+            first = await cached.engine.generate(GenerationRequest(prompt, ANSWER_TOKENS, options))
             # The second turn and a sibling of the first (from the prompt's own snapshot).
             for follow in (_turns(tokenizer, first, prompt), (*prompt, 13)):
-                request = GenerationRequest(follow, ANSWER_TOKENS)
-                again = await cached.engine.generate(request)
-                reference = await plain.engine.generate(request)
+                request = GenerationRequest(follow, ANSWER_TOKENS, options)
+                cached_logprobs: list[float] = []
+                plain_logprobs: list[float] = []
+                again = await cached.engine.generate(
+                    request, lambda chunk, out=cached_logprobs: out.extend(chunk.logprobs)
+                )
+                reference = await plain.engine.generate(
+                    request, lambda chunk, out=plain_logprobs: out.extend(chunk.logprobs)
+                )
                 assert again.tokens == reference.tokens
+                assert cached_logprobs == plain_logprobs  # to the bit
                 assert again.cached_tokens >= len(prompt)
         finally:
             cached.close()
@@ -295,8 +309,8 @@ def test_in_process_shards_give_the_cacheless_tokens(model_dir, tokenizer, arun)
 
 def test_index_finds_the_longest_usable_prefix() -> None:
     index = PrefixIndex(capacity=2)
-    assert index.add(PrefixEntry((1, 2), 11, mtp=False)) == []
-    assert index.add(PrefixEntry((1, 2, 3, 4), 12, mtp=True)) == []
+    assert index.add(PrefixEntry.of((1, 2), 11, mtp=False)) == []
+    assert index.add(PrefixEntry.of((1, 2, 3, 4), 12, mtp=True)) == []
     assert index.longest((1, 2, 3, 4, 5), mtp=True).snapshot_id == 12
     assert index.longest((1, 2, 3, 4, 5), mtp=False).snapshot_id == 12
     assert index.longest((1, 2, 3, 9), mtp=True) is None  # no MTP state in the shorter one
@@ -304,10 +318,10 @@ def test_index_finds_the_longest_usable_prefix() -> None:
     assert index.longest((1, 2, 3, 4), mtp=False).snapshot_id == 11  # leaves a token to compute
     assert index.holds((1, 2), mtp=False) and not index.holds((1, 2), mtp=True)
     # (1, 2) was used last: the capacity evicts (1, 2, 3, 4).
-    assert index.add(PrefixEntry((7,), 13, mtp=False)) == [12]
+    assert index.add(PrefixEntry.of((7,), 13, mtp=False)) == [12]
     index.forget([11])
     assert index.longest((1, 2, 3), mtp=False) is None and len(index) == 1
-    assert index.add(PrefixEntry((1, 2), 11, mtp=False)) == [11]  # a dropped id stays dropped
+    assert index.add(PrefixEntry.of((1, 2), 11, mtp=False)) == [11]  # a dropped id stays dropped
 
 
 def test_steps_name_snapshots_only_where_they_can_be() -> None:
@@ -315,3 +329,11 @@ def test_steps_name_snapshots_only_where_they_can_be() -> None:
         StepRequest("r", (1, 2), 0, prefix_from=5)
     with pytest.raises(RequestError, match="without drafts"):
         StepRequest("r", (1, 2), 7, draft_len=1, prefix_save=5)
+
+
+def test_index_keys_are_exact_for_any_token_id() -> None:
+    index = PrefixIndex()
+    index.add(PrefixEntry.of((151643, 5), 21, mtp=False))
+    assert index.longest((151643, 5, 9), mtp=False).length == 2
+    assert index.longest((151643, 6, 9), mtp=False) is None
+    assert index.longest((151643 + 256, 5, 9), mtp=False) is None  # differs in a high byte

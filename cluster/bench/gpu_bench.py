@@ -64,6 +64,7 @@ from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestOptions, StepRequest
+from cluster.model import compiled, row_padding
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
@@ -593,47 +594,124 @@ async def engine_decode(
     }
 
 
+# The decoding fast path in steps, each measured against the one before in the same process:
+# (name, projections fused at load, compiled GatedDeltaNet steps, row-padded quantized matmuls).
+VARIANTS = (
+    ("plain", False, False, False),
+    ("fused", True, False, False),
+    ("fused+compiled", True, True, False),
+    ("fused+compiled+padded", True, True, True),
+)
+
+
+def _set_variant(compile_on: bool, pad_on: bool) -> None:
+    compiled.set_enabled(compile_on)
+    row_padding.set_enabled(pad_on)
+
+
 async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
-    worker = MLXWorker()
-    t0 = time.perf_counter()
-    shard = await worker.run(load_shard, path)
-    single: dict[str, Any] = {"load_s": time.perf_counter() - t0}
+    """The one-process figures for each variant of the fast path (the last is the default on
+    CUDA and is what the node phases run); `single` holds the last one's."""
+    single: dict[str, Any] = {"variants": {}}
     report["single"] = single
-    single["weights"] = await worker.run(weight_bytes, shard)
-    single["logits_check"] = await worker.run(logits_check, shard, prompt)
-    print(f"  loaded in {single['load_s']:.1f} s; logits {single['logits_check']}", flush=True)
-    if not single["logits_check"]["finite"]:
-        raise RuntimeError("the random model's logits are not finite")
-    bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
-    single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
-    runner = ShardRunner(shard)
-    single["steps"] = await worker.run(
-        step_times, runner, prompt, args.step_iters, args.step_warmup, 0.7
-    )
-    single["breakdown"] = await worker.run(
-        breakdown, shard, prompt, args.step_iters // 2, args.step_warmup
-    )
-    print(f"  steps {json.dumps(single['steps'])}", flush=True)
-    print(f"  breakdown {json.dumps(single['breakdown'])}", flush=True)
-    max_context = load_model_config(path).max_context
-    pipeline = LocalPipeline([runner], worker, max_context=max_context)
-    engine = GenerationEngine(pipeline)
-    await _warm_up(engine, prompt)
-    single["mtp_off"] = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=False)
-    print(f"  engine mtp off: {single['mtp_off']['median_tps']:.1f} tok/s", flush=True)
-    single["mtp_on"] = {}
-    for alpha in args.alphas:
-        previous = install_oracle(alpha, seed=3)
-        try:
-            row = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=True)
-        finally:
-            restore_decide(previous)
-        row["over_off"] = row["median_tps"] / single["mtp_off"]["median_tps"]
-        single["mtp_on"][str(alpha)] = row
-        print(f"  engine mtp on a={alpha}: {row['median_tps']:.1f} tok/s", flush=True)
-    del engine, pipeline, runner, shard
+    worker = MLXWorker()
+    shard = None
+    for name, fuse_on, compile_on, pad_on in VARIANTS:
+        if name not in args.variants:
+            continue
+        if shard is None or fuse_on != single.get("fused"):
+            shard = runner = None
+            await worker.run(free_memory)
+            t0 = time.perf_counter()
+            shard = await worker.run(load_shard, path, for_decoding=fuse_on)
+            single["fused"] = fuse_on
+            single["load_s"] = time.perf_counter() - t0
+            single["weights"] = await worker.run(weight_bytes, shard)
+            single["logits_check"] = await worker.run(logits_check, shard, prompt)
+            print(f"  loaded in {single['load_s']:.1f} s; {single['logits_check']}", flush=True)
+            if not single["logits_check"]["finite"]:
+                raise RuntimeError("the random model's logits are not finite")
+            if "bandwidth" not in single:
+                bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
+                single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
+        if pad_on:
+            await worker.run(row_padding.install, shard)
+        await worker.run(_set_variant, compile_on, pad_on)
+        runner = ShardRunner(shard)
+        row: dict[str, Any] = {}
+        row["steps"] = await worker.run(
+            step_times, runner, prompt, args.step_iters, args.step_warmup, 0.7
+        )
+        row["breakdown"] = await worker.run(
+            breakdown, shard, prompt, args.step_iters // 2, args.step_warmup
+        )
+        row["profile"] = await worker.run(build_profile, shard, prompt)
+        pipeline = LocalPipeline([runner], worker, max_context=load_model_config(path).max_context)
+        engine = GenerationEngine(pipeline)
+        await _warm_up(engine, prompt)
+        row["mtp_off"] = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=False)
+        row["mtp_on"] = {}
+        last = name == args.variants[-1]
+        for alpha in args.alphas if last else [0.7]:
+            previous = install_oracle(alpha, seed=3)
+            try:
+                on = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=True)
+            finally:
+                restore_decide(previous)
+            on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
+            row["mtp_on"][str(alpha)] = on
+        single["variants"][name] = row
+        st = row["steps"]
+        print(
+            f"  {name}: plain step {st['plain']['median_ms']:.2f} ms, verify "
+            f"{st['verify']['median_ms']:.2f} ms ({st['verify_over_plain']:.2f}x); engine off "
+            f"{row['mtp_off']['median_tps']:.1f}, on a=0.7 "
+            f"{row['mtp_on']['0.7']['median_tps']:.1f} tok/s",
+            flush=True,
+        )
+        del engine, pipeline
+    single.update(single["variants"][args.variants[-1]])
+    del shard, runner
+    await worker.run(_set_variant, None, None)
     await worker.run(free_memory)
     worker.close()
+
+
+def build_profile(shard: ModelShard, prompt: tuple[int, ...], steps: int = 20) -> dict:
+    """Where building a one-token backbone step spends host time: cProfile over `steps`
+    builds (each evaluated outside the profile), the top functions by own time."""
+    import cProfile
+    import pstats
+
+    cache = RequestCache.for_layers(shard.linear_flags)
+    cache.begin_step(0, len(prompt))
+    mx.eval(shard(shard.embed(mx.array(prompt)[None]), [Segment(cache, len(prompt), len(prompt))]))
+    profiler = cProfile.Profile()
+    build = 0.0
+    for i in range(steps + 2):
+        tokens = mx.array([[7 + i]])
+        t0 = time.perf_counter()
+        if i >= 2:
+            profiler.enable()
+        cache.begin_step(0, 1)
+        h = shard(shard.embed(tokens), [Segment(cache, 1, 1)])
+        if i >= 2:
+            profiler.disable()
+            build += time.perf_counter() - t0
+        mx.eval(h, cache.arrays())
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, fn), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = fn if file == "~" else f"{Path(file).name}:{line}({fn})"
+        rows.append((own, cumulative, calls, where))
+    rows.sort(reverse=True)
+    return {
+        "build_ms_profiled": build / steps * 1e3,
+        "top_own_ms": [
+            {"where": w, "own_ms": o / steps * 1e3, "cum_ms": c / steps * 1e3, "calls": n / steps}
+            for o, c, n, w in rows[:15]
+        ],
+    }
 
 
 async def _warm_up(engine: GenerationEngine, prompt: tuple[int, ...]) -> None:
@@ -653,6 +731,9 @@ async def node_pipeline(
     readers: list[asyncio.Task] = []
     try:
         for i, port in enumerate(ports):
+            env = dict(os.environ)
+            if args.gpus > 1:  # one node per GPU, round robin
+                env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
             proc = await asyncio.create_subprocess_exec(
                 *[sys.executable, "-m", "cluster.bench.oracle_node", "--host", "127.0.0.1"],
                 *["--port", str(port), "--token", token, "--accept-rate", str(args.node_alpha)],
@@ -660,6 +741,7 @@ async def node_pipeline(
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 cwd=REPO,
+                env=env,
             )
             procs.append(proc)
         ready = [asyncio.Event() for _ in procs]
@@ -685,6 +767,15 @@ async def node_pipeline(
                 row[key]["node_step_ms"] = [i.step_latency_ms for i in infos]
                 print(f"  {nodes} nodes {key}: {row[key]['median_tps']:.1f} tok/s", flush=True)
             row["on_over_off"] = row["mtp_on"]["median_tps"] / row["mtp_off"]["median_tps"]
+            if args.concurrent > 1:
+                row["concurrent"] = await concurrent_decode(
+                    remote.engine, prompt, args.tokens, args.concurrent
+                )
+                print(
+                    f"  {nodes} nodes, {args.concurrent} concurrent MTP on: "
+                    f"{row['concurrent']['aggregate_tps']:.1f} tok/s",
+                    flush=True,
+                )
         finally:
             await remote.close()
         return row
@@ -700,6 +791,26 @@ async def node_pipeline(
                 await proc.wait()
         for reader in readers:
             reader.cancel()
+
+
+async def concurrent_decode(
+    engine: GenerationEngine, prompt: tuple[int, ...], tokens: int, requests: int
+) -> dict:
+    """`requests` greedy MTP-on requests at once (prompts differing in their first token):
+    the sum of their decode tokens/s while all of them run (they start together and decode
+    the same number of tokens)."""
+    vocab_prompts = [(prompt[0] + i, *prompt[1:]) for i in range(requests)]
+    outs = await asyncio.gather(
+        *(
+            engine.generate(GenerationRequest(p, tokens, RequestOptions(mtp=True)))
+            for p in vocab_prompts
+        )
+    )
+    return {
+        "requests": requests,
+        "decode_tps": [o.generation_tps for o in outs],
+        "aggregate_tps": sum(o.generation_tps for o in outs),
+    }
 
 
 async def _read_lines(
@@ -882,8 +993,13 @@ async def run(args) -> dict:
             "alphas": args.alphas,
             "node_alpha": args.node_alpha,
             "step_iters": args.step_iters,
+            "gpus": args.gpus,
+            "concurrent": args.concurrent,
+            "variants": args.variants,
         },
     }
+    if os.environ.get("BENCH_COMMIT"):  # a tree copied without its .git says what it is
+        report["machine"]["commit"] = os.environ["BENCH_COMMIT"]
     save = lambda: write_json(args.json, report)  # noqa: E731
     print(f"== checkpoint {path}", flush=True)
     worker = MLXWorker()
@@ -982,6 +1098,23 @@ def summarize(report: dict) -> None:
             f"lm_head+argmax {bd['lm_head_argmax_ms']:.2f} ms; "
             f"MTP head {bd.get('mtp_head_ms', float('nan')):.2f} ms"
         )
+    for name, v in single.get("variants", {}).items():
+        st, b1 = v["steps"], v["breakdown"]["backbone_1tok"]
+        v_off, v_on = v["mtp_off"]["median_tps"], v["mtp_on"]["0.7"]["median_tps"]
+        per_token = 1e3 / v_off
+        s[f"variant {name}"] = {
+            "plain_ms": st["plain"]["median_ms"],
+            "verify_over_plain": st["verify_over_plain"],
+            "engine_ms_per_token_over_step": per_token / st["plain"]["median_ms"],
+            "mtp_off_tps": v_off,
+            "mtp_on_tps": v_on,
+        }
+        lines.append(
+            f"[{name}] plain {st['plain']['median_ms']:.2f} ms (build {b1['build_ms']:.2f} of "
+            f"{b1['total_ms']:.2f}), verify/plain {st['verify_over_plain']:.2f}x; engine off "
+            f"{v_off:.1f} tok/s = {per_token:.2f} ms/token = "
+            f"{per_token / st['plain']['median_ms']:.2f}x its step; on a=0.7 {v_on:.1f}"
+        )
     if off:
         row = f"engine, 1 process: MTP off {off:.1f} tok/s"
         for alpha, r in single["mtp_on"].items():
@@ -1008,6 +1141,22 @@ def summarize(report: dict) -> None:
             f"({b / on:.2f}x 1 proc), on/off {b / a:.2f}x; node step ms "
             f"{[round(x, 2) for x in row['mtp_off']['node_step_ms']]}"
         )
+        if lm:
+            s[f"nodes{n}_on_over_mlx_lm"] = b / lm
+            lines.append(f"  {n} nodes MTP on / mlx-lm one process {b / lm:.2f}x")
+        if "steps" in single:
+            # Each node's step against its layers' share of the one-process plain step.
+            share = single["steps"]["plain"]["median_ms"] / int(n)
+            shares = [x / share for x in row["mtp_off"]["node_step_ms"]]
+            s[f"nodes{n}_step_over_share"] = shares
+            lines.append(f"  node step / its share of the 1-process step {_fmt(shares)}")
+        if "concurrent" in row:
+            c = row["concurrent"]
+            s[f"nodes{n}_concurrent_over_one"] = c["aggregate_tps"] / b
+            lines.append(
+                f"  {c['requests']} concurrent MTP on: {c['aggregate_tps']:.1f} tok/s, "
+                f"{c['aggregate_tps'] / b:.2f}x one request"
+            )
     for attempt in report.get("mlx_pipeline", []):
         how = "comm on CPU stream" if attempt["cpu_comm"] else "as is"
         if "median_tps" in attempt:
@@ -1023,6 +1172,10 @@ def summarize(report: dict) -> None:
         lines.append(f"skipped {skipped}")
     report["summary"] = s
     print("\n".join(lines), flush=True)
+
+
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}x" for v in values) + "]"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1047,6 +1200,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--node-alpha", type=float, default=0.7)
     parser.add_argument("--nodes", type=lambda s: [int(n) for n in s.split(",")], default=[2, 3])
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="place node i on GPU i %% GPUS (CUDA_VISIBLE_DEVICES)"
+    )
+    parser.add_argument(
+        "--concurrent", type=int, default=8, help="concurrent MTP-on requests through the nodes"
+    )
+    parser.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=[v[0] for v in VARIANTS],
+        help="fast-path variants of the one-process phase, in this order; the last is the one "
+        f"reported as the engine: {','.join(v[0] for v in VARIANTS)}",
+    )
     parser.add_argument(
         "--skip",
         type=lambda s: set(s.split(",")),

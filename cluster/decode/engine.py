@@ -191,7 +191,7 @@ class GenerationEngine:
         """The prompt from `entry`'s end (or from 0) in chunks; the last one keeps a prefix
         snapshot `save` (0: none)."""
         prompt, size = request.prompt, self.prefill_chunk
-        begin = len(entry.tokens) if entry else 0
+        begin = entry.length if entry else 0
         steps = [
             StepRequest(
                 rid,
@@ -226,12 +226,13 @@ class GenerationEngine:
         if index is None:
             return 0
         if save:
-            self._drop_everywhere(index.add(PrefixEntry(request.prompt, save, request.options.mtp)))
+            prompt_end = PrefixEntry.of(request.prompt, save, request.options.mtp)
+            self._drop_everywhere(index.add(prompt_end))
         if entry is None:
             return 0
         index.stats.hits += 1
-        index.stats.cached_tokens += len(entry.tokens)
-        return len(entry.tokens)
+        index.stats.cached_tokens += entry.length
+        return entry.length
 
     async def _end(
         self,
@@ -255,7 +256,7 @@ class GenerationEngine:
         snapshot_id = index.new_id()
         pipeline = cast(PrefixPipeline, self.pipeline)
         if await pipeline.release_as_prefix(rid, snapshot_id, positions):
-            entry = PrefixEntry(tokens, snapshot_id, request.options.mtp)
+            entry = PrefixEntry.of(tokens, snapshot_id, request.options.mtp)
             self._drop_everywhere(index.add(entry))
 
     def _prefix_dropped(self, snapshot_ids: list[int]) -> None:

@@ -9,7 +9,9 @@ the node's own counters). Its drafts also slow the other requests of the batch, 
 the k that maximises the batch's tokens per second, (others + E(k)) / cost(others + 1 + k),
 counting one token per position of the others (an upper bound, which leans against drafting).
 k = 0 when no depth beats a plain step: where extra rows cost per row (a long batch, a CPU)
-a draft must pass more often than a row costs.
+a draft must pass more often than a row costs. Across a pipeline the tail reads its own
+node's curve as every stage's (placement balances the stages); the hops cost the same at any
+depth, so leaving them out only leans the choice toward fewer drafts.
 
 A request's estimates start from the node's running acceptance over all its requests (an
 optimistic constant before any verdict), and a depth that is not chosen is still tried every

@@ -10,13 +10,17 @@ used entries beyond its capacity and has the pipeline drop them on every shard; 
 drops one for its own memory budget says so, and the index forgets it and has the others drop
 it too. Should a request still meet a shard without the snapshot (a drop still on its way), the
 engine falls back to a full prefill, with the same output.
+
+Token sequences are kept as bytes, 4 a token: a long conversation costs the coordinator 4 bytes
+a token per entry (not a tuple of Python ints), and "begins with" is one `bytes.startswith`.
 """
 
 from __future__ import annotations
 
 import secrets
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,11 +28,25 @@ DEFAULT_CAPACITY = 64  # entries; each shard also bounds its snapshots' bytes
 FORGOTTEN_MEMORY = 1024  # recently dropped ids, so that a late add cannot revive one
 
 
+def token_key(tokens: Sequence[int]) -> bytes:
+    """Token ids as 4-byte words (ids are < 2**31): a prefix of tokens is a prefix of bytes."""
+    return array("i", tokens).tobytes()
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixEntry:
-    tokens: tuple[int, ...]
+    key: bytes  # token_key of the tokens every shard's snapshot covers
     snapshot_id: int
     mtp: bool  # made by a request drafting with the MTP head: the tail kept the head's cache
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], snapshot_id: int, mtp: bool) -> PrefixEntry:
+        return cls(token_key(tokens), snapshot_id, mtp)
+
+    @property
+    def length(self) -> int:
+        """How many tokens the snapshot covers."""
+        return len(self.key) // 4
 
 
 @dataclass(slots=True)
@@ -57,8 +75,8 @@ class PrefixIndex:
             raise ValueError(f"the prefix index needs a capacity >= 1, got {capacity}")
         self.capacity = capacity
         self.stats = PrefixStats()
-        self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()
-        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()
+        self._key_of: dict[int, bytes] = {}
         self._forgotten: deque[int] = deque(maxlen=FORGOTTEN_MEMORY)
 
     def __len__(self) -> int:
@@ -69,25 +87,26 @@ class PrefixIndex:
         """A snapshot id no other driver of the same nodes will pick (63 random bits, not 0)."""
         return secrets.randbits(63) | 1
 
-    def holds(self, tokens: tuple[int, ...], mtp: bool) -> bool:
+    def holds(self, tokens: Sequence[int], mtp: bool) -> bool:
         """Whether an entry for exactly `tokens` serves a request that does (`mtp`) or does
         not draft."""
-        entry = self._entries.get(tokens)
+        entry = self._entries.get(token_key(tokens))
         return entry is not None and (entry.mtp or not mtp)
 
-    def longest(self, prompt: tuple[int, ...], mtp: bool) -> PrefixEntry | None:
+    def longest(self, prompt: Sequence[int], mtp: bool) -> PrefixEntry | None:
         """The longest entry whose tokens begin `prompt` and leave at least one token to
         compute, usable by a request that does (`mtp`) or does not draft; now the most
         recently used."""
         self.stats.lookups += 1
+        wanted = token_key(prompt)
         best: PrefixEntry | None = None
-        for tokens, entry in self._entries.items():
-            if len(tokens) >= len(prompt) or (mtp and not entry.mtp):
+        for key, entry in self._entries.items():
+            if len(key) >= len(wanted) or (mtp and not entry.mtp):
                 continue
-            if (best is None or len(tokens) > len(best.tokens)) and prompt[: len(tokens)] == tokens:
+            if (best is None or len(key) > len(best.key)) and wanted.startswith(key):
                 best = entry
         if best is not None:
-            self._entries.move_to_end(best.tokens)
+            self._entries.move_to_end(best.key)
         return best
 
     def add(self, entry: PrefixEntry) -> list[int]:
@@ -97,15 +116,15 @@ class PrefixIndex:
         if entry.snapshot_id in self._forgotten:
             return [entry.snapshot_id]
         dropped = []
-        old = self._entries.pop(entry.tokens, None)
+        old = self._entries.pop(entry.key, None)
         if old is not None:
-            del self._tokens_of[old.snapshot_id]
+            del self._key_of[old.snapshot_id]
             dropped.append(old.snapshot_id)
-        self._entries[entry.tokens] = entry
-        self._tokens_of[entry.snapshot_id] = entry.tokens
+        self._entries[entry.key] = entry
+        self._key_of[entry.snapshot_id] = entry.key
         while len(self._entries) > self.capacity:
             _, evicted = self._entries.popitem(last=False)
-            del self._tokens_of[evicted.snapshot_id]
+            del self._key_of[evicted.snapshot_id]
             dropped.append(evicted.snapshot_id)
         return dropped
 
@@ -113,11 +132,11 @@ class PrefixIndex:
         """Snapshots that some shard no longer holds."""
         for snapshot_id in snapshot_ids:
             self._forgotten.append(snapshot_id)
-            tokens = self._tokens_of.pop(snapshot_id, None)
-            if tokens is not None:
-                del self._entries[tokens]
+            key = self._key_of.pop(snapshot_id, None)
+            if key is not None:
+                del self._entries[key]
 
     def clear(self) -> None:
         """A new pipeline: its shards hold no snapshots."""
         self._entries.clear()
-        self._tokens_of.clear()
+        self._key_of.clear()

@@ -14,6 +14,7 @@ each confirmed prefix so that a rejected draft can be undone by a restore.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
+from cluster.model import compiled
 from cluster.model.cache import RequestCache
 
 
@@ -59,9 +61,12 @@ def _join(parts: list[mx.array]) -> mx.array:
 class PackedGatedDeltaNet(GatedDeltaNet):
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
         _, length, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(1, length, self.num_v_heads, self.head_v_dim)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        if "in_proj" in self:  # fused at load (cluster.model.fused)
+            qkv, z, b, a = self.in_proj(x)
+        else:
+            qkv, z, b, a = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x),
+                            self.in_proj_a(x))  # fmt: skip
+        z = z.reshape(1, length, self.num_v_heads, self.head_v_dim)
         mixed: list[mx.array | None] = [None] * len(segments)
         # Requests whose steps have the same shape (every decode step, typically) run their
         # recurrence as one batch: the states stack along the batch axis.
@@ -83,40 +88,79 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         n_confirmed: int,
         slot: int,
     ) -> mx.array:
-        batch = len(segs)
         caches = [seg.cache.layers[slot] for seg in segs]
         n_keep = self.conv_kernel_size - 1
         conv_state = _stack_states([c[0] for c in caches], (1, n_keep, self.conv_dim), qkv.dtype)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = nn.silu(self.conv1d(conv_input))
-        q, k, v = (
-            t.reshape(batch, length, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-                strict=True,
-            )
-        )
-        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
         state_shape = (1, self.num_v_heads, self.head_v_dim, self.head_k_dim)
         state = _stack_states([c[1] for c in caches], state_shape, mx.float32)
-
         # Record the state after each confirmed prefix: a rejected draft restores one of those.
-        snapshots: dict[int, mx.array] = {}
-        out, state = _recurrence(
-            q, k, v, a, b, self.A_log, self.dt_bias, state, range(n_confirmed, length),
-            snapshots, use_kernel=not self.training,
-        )  # fmt: skip
-        for keep, after in snapshots.items():
-            conv = conv_input[:, keep : keep + n_keep]
+        snapshot_at = tuple(range(n_confirmed, length))
+        dims = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if compiled.enabled(length):
+            core = compiled.compiled(gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=False)
+        else:
+            core = functools.partial(
+                gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=not self.training
+            )
+        out, conv, state, *snapshots = core(
+            qkv, a, b, conv_state, state, self.conv1d.weight, self.A_log, self.dt_bias
+        )
+        n_snap = len(snapshot_at)
+        for i, keep in enumerate(snapshot_at):
+            snap_conv, after = snapshots[i], snapshots[n_snap + i]
             for row, seg in enumerate(segs):
-                seg.cache.record_snapshot(slot, keep, _row(conv, row), _row(after, row))
-        conv = conv_input[:, -n_keep:]
+                seg.cache.record_snapshot(slot, keep, _row(snap_conv, row), _row(after, row))
         for row, cache in enumerate(caches):
-            cache[0] = mx.contiguous(_row(conv, row))
+            cache[0] = _row(conv, row)
             cache[1] = _row(state, row)
         return out
+
+
+def gdn_core(
+    qkv: mx.array,
+    a: mx.array,
+    b: mx.array,
+    conv_state: mx.array,
+    state: mx.array,
+    conv_weight: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    *,
+    dims: tuple[int, int, int, int],
+    snapshot_at: tuple[int, ...],
+    use_kernel: bool,
+) -> tuple[mx.array, ...]:
+    """GatedDeltaNet between its projections, as a function of arrays alone (so that it can be
+    compiled, `cluster.model.compiled`): the causal conv over the conv state and the step's
+    `qkv`, q/k normalization, the gated delta recurrence. `dims` is (key heads, value heads,
+    key head dim, value head dim). Returns (out [B, L, Hv, Dv], the new conv state, the new
+    recurrent state, the conv state after each `snapshot_at` prefix, the recurrent state after
+    each)."""
+    n_k, n_v, d_k, d_v = dims
+    batch, length, conv_dim = qkv.shape
+    n_keep = conv_state.shape[1]
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    # nn.Conv1d's call, with mlx-lm's depthwise settings (stride 1, no padding).
+    conv_out = nn.silu(mx.conv1d(conv_input, conv_weight, 1, 0, 1, conv_dim))
+    key_dim = n_k * d_k
+    q, k, v = (
+        t.reshape(batch, length, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [key_dim, 2 * key_dim], -1),
+            [n_k, n_k, n_v],
+            [d_k, d_k, d_v],
+            strict=True,
+        )
+    )
+    q, k = normalize_qk(q, k, inv_scale=d_k**-0.5, eps=1e-6)
+    snapshots: dict[int, mx.array] = {}
+    out, state = _recurrence(
+        q, k, v, a, b, A_log, dt_bias, state, snapshot_at, snapshots, use_kernel=use_kernel
+    )
+    snap_convs = [conv_input[:, keep : keep + n_keep] for keep in snapshot_at]
+    snap_states = [snapshots[keep] for keep in snapshot_at]
+    conv = mx.contiguous(conv_input[:, -n_keep:])
+    return out, conv, state, *snap_convs, *snap_states
 
 
 def _recurrence(
@@ -128,7 +172,7 @@ def _recurrence(
     A_log: mx.array,
     dt_bias: mx.array,
     state: mx.array,
-    snapshot_at: range,
+    snapshot_at: tuple[int, ...],
     snapshots: dict[int, mx.array],
     *,
     use_kernel: bool,
@@ -197,11 +241,13 @@ def _row(x: mx.array, row: int) -> mx.array:
 class PackedAttention(Attention):
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
         _, length, _ = x.shape
-        queries, gate = mx.split(
-            self.q_proj(x).reshape(1, length, self.num_attention_heads, -1), 2, axis=-1
-        )
-        keys = self.k_norm(self.k_proj(x).reshape(1, length, self.num_key_value_heads, -1))
-        values = self.v_proj(x).reshape(1, length, self.num_key_value_heads, -1)
+        if "qkv_proj" in self:  # fused at load (cluster.model.fused)
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries, gate = mx.split(q.reshape(1, length, self.num_attention_heads, -1), 2, axis=-1)
+        keys = self.k_norm(k.reshape(1, length, self.num_key_value_heads, -1))
+        values = v.reshape(1, length, self.num_key_value_heads, -1)
         queries = self.q_norm(queries)
         parts = zip(
             _split(queries, segments),

@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
+from cluster.model import fused
 from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,15 @@ def load_shard(
     *,
     dtype: mx.Dtype | None = None,
     mtp: bool = True,
+    for_decoding: bool = False,
 ) -> ModelShard:
     """Build the shard for `spec` (the whole model by default) and load its tensors.
 
-    `mtp=False` leaves the MTP head out. A config that declares MTP on a checkpoint without
-    any `mtp.*` tensor (mlx-lm's own conversion drops them) loads without it, with a warning.
+    `mtp=False` leaves the MTP head out. `for_decoding` readies a shard that runs steps (nodes,
+    the local engine), not one whose parameters are written back out: the projections that
+    share an input become one matmul (`cluster.model.fused`).
+    A config that declares MTP on a checkpoint without any `mtp.*` tensor (mlx-lm's own
+    conversion drops them) loads without it, with a warning.
     """
     config = load_model_config(model_dir)
     index = CheckpointIndex.read(config.path)
@@ -114,6 +119,8 @@ def load_shard(
     _check_complete(wanted, weights, config.path, spec)
     weights = {k: _cast(k, v, dtype, config) for k, v in weights.items()}
     shard.load_weights(list(weights.items()), strict=True)
+    if for_decoding:  # on the lazy weights: the parts are read straight into the fused arrays
+        fused.fuse_projections(shard)
     shard.eval()
     mx.eval(shard.parameters())
     return shard

@@ -58,6 +58,11 @@ function nodeCard(node, index) {
     ["Step latency", el("dd", "mono", `${node.step_latency_ms.toFixed(1)} ms`)],
     ["Heartbeat", heartbeat],
   ];
+  if (node.prefix_budget_bytes) {
+    const mib = (node.prefix_snapshot_bytes / 2 ** 20).toFixed(1);
+    const budget = (node.prefix_budget_bytes / 2 ** 20).toFixed(0);
+    rows.push(["Prefix cache", el("dd", "mono", `${node.prefix_snapshots} · ${mib} / ${budget} MiB`)]);
+  }
   if (node.weights_fraction !== null && node.weights_fraction !== undefined) {
     rows.push(["Weights", el("dd", "mono", `fetching ${(node.weights_fraction * 100).toFixed(0)}%`)]);
   }

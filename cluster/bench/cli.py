@@ -1,0 +1,263 @@
+"""`cluster bench`: the benchmark users run on their own cluster.
+
+cluster bench --local 3 --prompt-tokens 128,2048 --concurrency 1,2,4,8 --out DIR
+cluster bench --url http://10.0.0.2:8000 --rate 0.5,2 --out DIR
+cluster bench --compare A/bench.json B/bench.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cluster.bench import baselines, report
+from cluster.bench.benchmark import BenchPlan, run_benchmark
+from cluster.bench.client import BenchError
+from cluster.bench.local_cluster import LocalCluster, LocalClusterError
+from cluster.bench.workload import (
+    PromptSource,
+    WorkloadError,
+    positive_floats,
+    positive_ints,
+    scenarios,
+)
+from cluster.config import ModelDirError, bundled_model_path, load_model_config
+
+HOSTS_MISSING = (
+    "--hosts needs `cluster up --hosts`, which is not in this version yet; start the cluster "
+    "on your hosts and use --url, or --local N on one machine"
+)
+
+
+@click.command("bench")
+@click.option("--url", default=None, help="A running coordinator, e.g. http://10.0.0.2:8000.")
+@click.option("--local", "local", type=int, default=None, help="Start N local nodes + coordinator.")
+@click.option(
+    "--hosts",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Start the cluster on the hosts of FILE (as `cluster up --hosts`).",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The served model's directory: its tokenizer makes the prompts (default: bundled).",
+)
+@click.option("--prompt-tokens", default="128,1024", show_default=True, help="Prompt lengths.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated each.")
+@click.option("--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop levels.")
+@click.option("--rate", default=None, help="Open-loop rates in requests/s (Poisson), e.g. 0.5,2.")
+@click.option("--requests", type=int, default=None, help="Requests per scenario [2 x level].")
+@click.option(
+    "--sampling",
+    default="sampled",
+    show_default=True,
+    help="greedy, sampled (temperature 0.7) or both: greedy,sampled.",
+)
+@click.option("--mtp", "mtp_modes", default="on,off", show_default=True, help="on, off or on,off.")
+@click.option(
+    "--baseline",
+    "baseline_kinds",
+    default="mlx-lm",
+    show_default=True,
+    help="mlx-lm, ring, both (mlx-lm,ring) or none; run when the model fits one machine.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None)
+@click.option(
+    "--compare",
+    nargs=2,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Print two bench.json files side by side (runs nothing).",
+)
+def bench_command(
+    url: str | None,
+    local: int | None,
+    hosts: Path | None,
+    model_dir: Path | None,
+    prompt_tokens: str,
+    max_tokens: int,
+    concurrency: str,
+    rate: str | None,
+    requests: int | None,
+    sampling: str,
+    mtp_modes: str,
+    baseline_kinds: str,
+    seed: int,
+    out_dir: Path | None,
+    compare: tuple[Path, Path] | None,
+) -> None:
+    """Benchmark a cluster: TTFT, TPOT, ITL, tokens/s, acceptance, per-node load."""
+    if compare is not None:
+        try:
+            a, b = (report.load(path) for path in compare)
+        except ValueError as error:
+            raise click.ClickException(str(error)) from None
+        click.echo(report.compare(a, b))
+        return
+    targets = [t for t in (url, local, hosts) if t is not None]
+    if len(targets) != 1:
+        raise click.UsageError("give exactly one of --url, --local N or --hosts FILE")
+    if hosts is not None:
+        raise click.ClickException(HOSTS_MISSING)
+    model_dir = model_dir or bundled_model_path()
+    try:
+        plan = _plan(
+            model_dir, prompt_tokens, max_tokens, concurrency, rate, requests, sampling, mtp_modes,
+            seed,
+        )  # fmt: skip
+        kinds = _baseline_kinds(baseline_kinds)
+        prompts = PromptSource(_tokenizer(model_dir))
+        with _cluster_url(url, local, model_dir) as target:
+            result = _run(target, plan, prompts)
+        result["baselines"] = _baselines(kinds, plan, prompts, local, model_dir)
+    except (BenchError, WorkloadError, LocalClusterError, ModelDirError) as error:
+        raise click.ClickException(str(error)) from None
+    _attach_ratios(result)
+    result = {
+        "benchmark": "cluster bench",
+        "command": "cluster " + shlex.join(sys.argv[1:]),
+        "settings": {
+            "target": "url" if url else "local",
+            "local_nodes": local,
+            "model_dir": str(model_dir),
+            "seed": seed,
+            "baselines": kinds,
+        },
+        "versions": report.versions(),
+        **result,
+    }
+    click.echo(report.table(result))
+    if out_dir is not None:
+        _write(result, out_dir)
+
+
+def _plan(
+    model_dir: Path,
+    prompt_tokens: str,
+    max_tokens: int,
+    concurrency: str,
+    rate: str | None,
+    requests: int | None,
+    sampling: str,
+    mtp_modes: str,
+    seed: int,
+) -> BenchPlan:
+    if max_tokens < 1:
+        raise WorkloadError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if requests is not None and requests < 1:
+        raise WorkloadError(f"--requests must be >= 1, got {requests}")
+    chosen = scenarios(
+        prompt_tokens=positive_ints(prompt_tokens, "--prompt-tokens"),
+        max_tokens=max_tokens,
+        concurrency=positive_ints(concurrency, "--concurrency") if concurrency else [],
+        rates=positive_floats(rate, "--rate") if rate else [],
+        sampling=_choices(sampling, "--sampling", {"greedy": False, "sampled": True}),
+        mtp=_choices(mtp_modes, "--mtp", {"on": True, "off": False}),
+        requests=requests,
+    )
+    config = load_model_config(model_dir)
+    return BenchPlan(model_dir, config.max_context, tuple(chosen), seed)
+
+
+def _choices(text: str, option: str, known: dict[str, bool]) -> list[bool]:
+    names = [part.strip() for part in text.split(",")]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise WorkloadError(f"{option} takes {', '.join(known)} (comma-separated); got {text!r}")
+    return list(dict.fromkeys(known[n] for n in names))
+
+
+def _baseline_kinds(text: str) -> list[str]:
+    if text == "none":
+        return []
+    kinds = [part.strip() for part in text.split(",")]
+    unknown = [k for k in kinds if k not in baselines.KINDS]
+    if unknown:
+        raise WorkloadError(f"--baseline takes mlx-lm, ring or none; got {text!r}")
+    return list(dict.fromkeys(kinds))
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from mlx_lm.tokenizer_utils import load
+
+    load_model_config(model_dir)  # a clear error for a directory that is not a model
+    return load(model_dir)
+
+
+@contextlib.contextmanager
+def _cluster_url(url: str | None, local: int | None, model_dir: Path) -> Iterator[str]:
+    if url is not None:
+        yield url
+        return
+    click.echo(f"starting {local} local node(s) and a coordinator ...", err=True)
+    with LocalCluster(local or 0, model_dir) as cluster:
+        yield cluster.url
+
+
+def _run(url: str, plan: BenchPlan, prompts: PromptSource) -> dict[str, Any]:
+    with click.progressbar(
+        length=plan.total_requests,
+        label=f"{len(plan.scenarios)} scenarios",
+        file=sys.stderr,
+        show_pos=True,
+    ) as bar:
+        return asyncio.run(run_benchmark(url, plan, prompts, on_request_done=lambda: bar.update(1)))
+
+
+def _baselines(
+    kinds: list[str], plan: BenchPlan, prompts: PromptSource, local: int | None, model_dir: Path
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if not kinds:
+        return out
+    if not baselines.fits_this_machine(model_dir):
+        return {kind: {"skipped": "the model does not fit one machine"} for kind in kinds}
+    runs = baselines.runs_wanted(plan.scenarios)
+    ids = {length: prompts.take(length) for length, _ in runs}
+    max_tokens = plan.scenarios[0].max_tokens
+    if "mlx-lm" in kinds:
+        click.echo("baseline: mlx-lm stream_generate ...", err=True)
+        out["mlx-lm"] = baselines.mlx_lm_baseline(model_dir, ids, runs, max_tokens, plan.seed)
+    if "ring" in kinds:
+        if local is None:
+            out["ring"] = {"skipped": "the ring baseline runs on the hosts of --local or --hosts"}
+        else:
+            click.echo(f"baseline: mlx-lm ring pipeline over {local} ranks ...", err=True)
+            try:
+                out["ring"] = baselines.ring_baseline(
+                    model_dir, ids, runs, max_tokens, plan.seed, local
+                )
+            except RuntimeError as error:
+                out["ring"] = {"error": f"mlx-lm's ring pipeline did not run: {error}"}
+    return out
+
+
+def _attach_ratios(result: dict[str, Any]) -> None:
+    for scenario in result["scenarios"]:
+        scenario["ratios"] = {
+            name: ratios
+            for name, baseline in result.get("baselines", {}).items()
+            if (ratios := baselines.ratios(scenario, baseline))
+        }
+
+
+def _write(result: dict[str, Any], out_dir: Path) -> None:
+    from cluster.bench.plots import PlotsUnavailable, draw
+
+    written = report.write(result, out_dir)
+    try:
+        written += draw(result, out_dir)
+    except PlotsUnavailable as error:
+        click.echo(f"no plots: {error}", err=True)
+    click.echo("wrote " + ", ".join(str(p) for p in written))

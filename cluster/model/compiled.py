@@ -1,0 +1,50 @@
+"""`mx.compile` for the short, fixed-shape pieces of a decode step, where it pays.
+
+On MLX CUDA a decode step is bound by the host: Python builds each op's graph node and the
+backend launches one kernel per op. GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal
+has mlx-lm's fused kernel) is some 30 small ops per layer and position. Compiled, a layer's
+step is one call that replays a traced graph in C++ with its elementwise chains fused into a
+few kernels. A compiled function is traced once per input shape, so only steps of a few
+positions (decode, verify) take this path; a prefill chunk runs the plain ops.
+
+Whether it is on is decided per backend (`enabled`): on for CUDA, where it took the 27B-shape
+backbone's one-token graph build from 17.2 to 15.1 ms (BENCHMARKS.md, issue 10); off on Metal
+(mlx-lm's fused Metal kernel already runs the recurrence in one launch) and on the CPU (not
+measured to pay there; its compiler runs cost seconds). `set_enabled` overrides the choice
+(the tests, the benchmark's A/B runs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["MAX_COMPILED_POSITIONS", "compiled", "enabled", "set_enabled"]
+
+MAX_COMPILED_POSITIONS = 8  # a step of more positions runs the plain ops
+
+_override: bool | None = None
+
+
+def set_enabled(on: bool | None) -> None:
+    """Force compiled steps on or off; None restores the per-backend default."""
+    global _override
+    _override = on
+
+
+def enabled(positions: int) -> bool:
+    if positions > MAX_COMPILED_POSITIONS:
+        return False
+    if _override is not None:
+        return _override
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@functools.cache
+def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
+    """`fn` with `constants` bound (hashable: shapes, snapshot points), compiled once per
+    distinct binding and shared by every layer that calls it with the same ones."""
+    return mx.compile(functools.partial(fn, **constants))

@@ -1,0 +1,129 @@
+"""`cluster bench` end to end: --local 3 on the bundled model writes JSON, CSV and PNGs that
+agree; --url against a coordinator the test starts gives the same metric set; bad input gets
+a clear message and no traceback."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from cluster.cli import main
+from tests.daemons import ENDPOINT, Daemon, free_port
+
+PLOTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_vs_prompt", "mtp_on_off")
+RUN_TIMEOUT_S = 240
+
+
+def _bench(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench-local")
+    done = _bench("--local", "3", "--prompt-tokens", "64,256", "--concurrency", "1,4",
+                  "--max-tokens", "32", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("bench-url") / "up.log"
+    daemon = Daemon.start(log, "bench-token", "up", "--local", "1", "--port", str(free_port()))
+    try:
+        yield daemon.wait_for(ENDPOINT)
+    finally:
+        daemon.stop()
+
+
+def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
+    run = json.loads((local_run / "bench.json").read_text())
+    for name in PLOTS:
+        with Image.open(local_run / f"{name}.png") as image:
+            image.verify()
+            assert image.format == "PNG" and min(image.size) >= 100
+    scenarios = run["scenarios"]
+    settings = {(s["settings"]["prompt_tokens"], s["settings"]["concurrency"],
+                 s["settings"]["mtp"]) for s in scenarios}  # fmt: skip
+    assert settings == {(p, c, m) for p in (64, 256) for c in (1, 4) for m in (True, False)}
+    for scenario in scenarios:
+        asked = scenario["settings"]
+        assert scenario["metrics"]["failed"] == 0
+        assert len(scenario["requests"]) == asked["requests"] == 2 * asked["concurrency"]
+        for request in scenario["requests"]:  # exact, from the server's own usage
+            assert request["prompt_tokens"] == asked["prompt_tokens"]
+            assert request["completion_tokens"] == 32
+        metrics = scenario["metrics"]
+        assert metrics["total_output_tokens"] == 32 * asked["requests"]
+        assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
+        assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
+        assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
+        assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
+    assert len(run["hardware"]) == 3
+    assert all(h["chip"] and h["os"] and h["memory_total_bytes"] > 0 for h in run["hardware"])
+    assert run["versions"]["commit"] and run["versions"]["mlx"]
+    rows = list(csv.DictReader((local_run / "bench.csv").open()))
+    assert [r["scenario"] for r in rows] == [s["name"] for s in scenarios]
+    for row, scenario in zip(rows, scenarios, strict=True):
+        for key, value in scenario["metrics"].items():
+            assert row[key] == ("" if value is None else str(value)), key
+
+
+def test_url_run_gives_the_same_metric_set(
+    coordinator: str, local_run: Path, tmp_path: Path
+) -> None:
+    done = _bench("--url", coordinator, "--prompt-tokens", "16", "--concurrency", "2",
+                  "--max-tokens", "8", "--mtp", "on", "--baseline", "none",
+                  "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    remote = json.loads((tmp_path / "bench.json").read_text())
+    local = json.loads((local_run / "bench.json").read_text())
+    (scenario,) = remote["scenarios"]
+    assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
+    assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
+    assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
+    assert "p16 c=2 sampled mtp" in done.stdout
+
+
+def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:
+    run = json.loads((local_run / "bench.json").read_text())
+    for scenario in run["scenarios"]:
+        scenario["metrics"]["output_throughput"] *= 2
+    (tmp_path / "b.json").write_text(json.dumps(run))
+    done = CliRunner().invoke(
+        main, ["bench", "--compare", str(local_run / "bench.json"), str(tmp_path / "b.json")]
+    )
+    assert done.exit_code == 0, done.output
+    ratios = [ln.split()[-1] for ln in done.output.splitlines() if "output_throughput" in ln]
+    assert ratios == ["2.00"] * 8
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--url", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
+        (["--url", "http://127.0.0.1:1", "--prompt-tokens", "9000"], "context is 8192 tokens"),
+        (["--local", "3", "--concurrency", "0"], "--concurrency values must be >= 1"),
+        (["--hosts", "hosts.txt"], "cluster up --hosts"),
+        (["--local", "2", "--url", "http://x"], "exactly one of"),
+    ],
+)
+def test_bad_input_is_a_clear_message(args: list[str], message: str) -> None:
+    done = CliRunner().invoke(main, ["bench", *args, "--baseline", "none"])
+    assert done.exit_code != 0
+    assert message in done.output
+    assert isinstance(done.exception, SystemExit)  # click's exit, not an uncaught error

@@ -1,0 +1,112 @@
+"""The decoding fast path computes exactly what the plain path does.
+
+Fused projections (`cluster.model.fused`), compiled GatedDeltaNet steps
+(`cluster.model.compiled`) and row-padded quantized matmuls (`cluster.model.row_padding`) are
+forced on here (by default the last two are on for CUDA only): logits, greedy tokens and the
+caches after a rejected draft must equal the plain path's, on the bundled model and a MoE
+fixture.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from conftest import CODE_PROMPTS, run
+from test_engine import _generate_all
+from test_rollback import _assert_same_caches, _prefill
+
+from cluster.decode.runner import ShardRunner
+from cluster.messages import StepRequest
+from cluster.model import compiled, fused, row_padding
+from cluster.model.cache import RequestCache
+from cluster.model.layers import Segment
+from cluster.model.loading import load_shard
+
+
+def _set_fast_path(on: bool | None) -> None:
+    compiled.set_enabled(on)
+    row_padding.set_enabled(on)
+
+
+@pytest.fixture
+def fast_path():
+    _set_fast_path(True)
+    yield
+    _set_fast_path(None)
+
+
+def _logits(shard, prompt: list[int], steps: list[tuple[int, ...]]) -> list[mx.array]:
+    """Prefill, then steps whose first position is confirmed and the rest drafts."""
+    cache = RequestCache.for_layers(shard.linear_flags)
+    cache.begin_step(0, len(prompt))
+    hidden = shard(shard.embed(mx.array(prompt)[None]), [Segment(cache, len(prompt), len(prompt))])
+    out = [shard.logits(shard.norm(hidden[:, -1]))]
+    for tokens in steps:
+        cache.begin_step(0, len(tokens))
+        hidden = shard(shard.embed(mx.array(tokens)[None]), [Segment(cache, len(tokens), 1)])
+        out.append(shard.logits(shard.norm(hidden)))
+    mx.eval(out, cache.arrays())
+    return out
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_fused_compiled_padded_logits_equal_plain(model_dir, tokenizer, fast_path, bits) -> None:
+    plain = load_shard(model_dir)
+    if bits is None:
+        fast = load_shard(model_dir, for_decoding=True)
+        row_padding.install(fast)  # bf16: nothing to pad, which must change nothing
+    else:  # the bundled model is bf16: quantize both alike, then ready one for decoding
+        fast = load_shard(model_dir)
+        for shard in (plain, fast):
+            nn.quantize(shard, group_size=64, bits=bits)
+        assert fused.fuse_projections(fast) == 2 * (
+            len(fast.layers) + 1
+        )  # mixer + MLP, MTP layer too
+        assert row_padding.install(fast) > 0
+    assert "in_proj" in fast.layers[0].linear_attn and "qkv_proj" in fast.layers[3].self_attn
+    prompt = tokenizer.encode(CODE_PROMPTS[0])
+    steps = [(5,), (7, 9), (11,), (3, 4, 8), (12,)]  # 2 and 3 positions: padded rows, snapshots
+    for a, b in zip(_logits(plain, prompt, steps), _logits(fast, prompt, steps), strict=True):
+        assert mx.array_equal(a, b)
+
+
+def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
+    prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
+    fast = {mtp: run(_generate_all(model_dir, prompts, mtp=mtp)) for mtp in (False, True)}
+    _set_fast_path(False)
+    reference = run(_generate_all(model_dir, prompts, mtp=False))
+    _set_fast_path(True)
+    for outs in fast.values():
+        assert [o.tokens for o in outs] == [o.tokens for o in reference]
+    assert 0 < sum(o.accepted for o in fast[True]) < sum(o.drafted for o in fast[True])
+
+    # A rejected draft on the compiled path leaves the caches as if never seen.
+    shard = load_shard(model_dir, for_decoding=True)
+    row_padding.install(shard)
+    prompt = tuple(prompts[0])
+    drafted, clean = ShardRunner(shard), ShardRunner(shard)
+    first = _prefill(drafted, "r", prompt)
+    assert _prefill(clean, "r", prompt) == first
+    (y,), n = first.tokens, len(prompt)
+    wrong = (first.drafts[0] + 1) % 8192
+    (rejected,) = drafted.run([StepRequest("r", (y, wrong), n, draft_len=1)]).results
+    assert rejected.keep == 1 and rejected.accepted == 0
+    (alone,) = clean.run([StepRequest("r", (y,), n)]).results
+    assert rejected.tokens == alone.tokens and rejected.drafts == alone.drafts
+    nxt = StepRequest("r", alone.tokens, n + 1)
+    carried = StepRequest("r", nxt.tokens, nxt.position, rollback=1)
+    assert drafted.run([carried]).results == clean.run([nxt]).results
+    _assert_same_caches(drafted.requests["r"].cache, clean.requests["r"].cache)
+
+
+def test_moe_fast_path_greedy_identity(tmp_path, fast_path) -> None:
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
+    prompts = [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    fast = run(_generate_all(path, prompts, mtp=True))
+    _set_fast_path(False)
+    reference = run(_generate_all(path, prompts, mtp=False))
+    assert [o.tokens for o in fast] == [o.tokens for o in reference]
+    assert sum(o.drafted for o in fast) > 0
