@@ -32,9 +32,9 @@ from cluster.model.shard import ShardSpec
 from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
+from node.hardware import this_machine
 from node.hop import HopChoice, choose_hop
 from node.links import local_links
-from node.hardware import this_machine
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
