@@ -99,8 +99,10 @@ class Coordinator:
         weights_port: int = 0,
         prefix_cache: bool = True,
         pinned_addresses: frozenset[str] = frozenset(),
+        adopt_shards: bool = False,
     ):
         self.model_dir = model_dir
+        self.adopt_shards = adopt_shards  # keep shards that nodes already hold (no reload)
         # Nodes whose address was given (a cluster file's `address`): their upstream streams
         # to exactly it, without measuring the others.
         self.pinned_addresses = pinned_addresses
@@ -191,6 +193,7 @@ class Coordinator:
             node_model_dir=self.node_model_dir,
             tls=self.tls,
             pinned_addresses=self.pinned_addresses,
+            adopt=self.adopt_shards,
             **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
@@ -326,6 +329,7 @@ async def run_coordinator(
     weights_port: int = 0,
     prefix_cache: bool = True,
     pinned_addresses: frozenset[str] = frozenset(),
+    adopt_shards: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     api_keys = api_keys or ApiKeys()
@@ -343,6 +347,7 @@ async def run_coordinator(
         weights_port=weights_port,
         prefix_cache=prefix_cache,
         pinned_addresses=pinned_addresses,
+        adopt_shards=adopt_shards,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()

@@ -347,11 +347,14 @@ async def load_pipeline(
     weights_port: int = 0,
     prefix_budget_bytes: int | None = None,
     pinned_addresses: frozenset[str] = frozenset(),
+    adopt: bool = False,
 ) -> RemotePipeline:
     """Load the shards (evenly split unless `ranges`) and open the streams.
 
     Each node but the tail gets its successor's addresses, times a round trip to each and
     streams over the fastest, unless the successor's address is in `pinned_addresses`.
+    With `adopt`, a node that already holds exactly its shard (a restarted driver) keeps it:
+    no LoadShard; requests a previous driver left there are freed by its idle sweep.
 
     With `model_digest` and `weights_port` (the caller's Weights service), a node that lacks a
     verified copy of its shard's tensors fetches them from the caller first."""
@@ -393,7 +396,7 @@ async def load_pipeline(
         loads = [
             c.load_shard(r)
             for c, r, info in zip(clients, requests, infos, strict=True)
-            if not holds_shard(info, r)
+            if not (adopt and holds_shard(info, r))
         ]
         if len(loads) < len(clients):
             log.info("%d node(s) already hold their shard", len(clients) - len(loads))
