@@ -43,6 +43,19 @@ from proto import cluster_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 IDLE_SWEEP_SECONDS = 5.0
+MIN_MLX_CACHE_BYTES = 32 * 2**20
+
+
+def mlx_cache_limit(cache_budget_bytes: int | None, weights_bytes: int) -> int:
+    """How many bytes of freed buffers MLX may keep for reuse on this node.
+
+    MLX keeps freed buffers up to its memory limit by default, so a node's footprint only
+    ever grows towards it. Buffers of a step's size are worth keeping: as much as the request
+    caches may hold (their budget), or without a budget a quarter of the weights' size, at
+    least MIN_MLX_CACHE_BYTES."""
+    if cache_budget_bytes is not None:
+        return max(cache_budget_bytes, MIN_MLX_CACHE_BYTES)
+    return max(weights_bytes // 4, MIN_MLX_CACHE_BYTES)
 
 
 def device_name() -> str:
@@ -169,9 +182,11 @@ class NodeService(pb_grpc.NodeServicer):
                 next_node=self.hop.address if self.hop else None,
                 token=self.token,
                 tls=self.tls,
+                epoch=request.epoch,
             )
             self.shard_request = request
             self.shard_loads += 1
+            mx.set_cache_limit(mlx_cache_limit(budget, self.weights_bytes))
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
 
@@ -184,12 +199,11 @@ class NodeService(pb_grpc.NodeServicer):
         async def read() -> None:
             try:
                 async for message in request_iterator:
-                    # The stage of now: a reload (LoadShard) replaces it under a long-lived
-                    # stream from an upstream that kept its own shard.
-                    if self.stage is None:
-                        replies.put_nowait(pb.StepEvent(sequence=message.sequence))
-                        continue
-                    self.stage.accept(message, replies.put_nowait)
+                    # The stage of the moment, not the one the stream began with: a stream
+                    # left open from an old placement must not keep that stage (and its
+                    # caches) alive, and its messages meet the new stage's epoch check.
+                    if self.stage is not None:
+                        self.stage.accept(message, replies.put_nowait)
             finally:
                 replies.put_nowait(None)
 
@@ -271,6 +285,9 @@ class NodeService(pb_grpc.NodeServicer):
             device=device_name(),
             memory_total_bytes=total_memory_bytes(),
             memory_used_bytes=process_memory_bytes(),
+            mlx_active_bytes=mx.get_active_memory(),
+            mlx_cache_bytes=mx.get_cache_memory(),
+            mlx_peak_bytes=mx.get_peak_memory(),
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
             chip=hardware.chip,
@@ -297,6 +314,10 @@ class NodeService(pb_grpc.NodeServicer):
                     next_node_pinned=not r.next_node_links,
                     next_node_id=r.next_node_id,
                 )
+            )
+            info.epoch = r.epoch
+            info.mlx_cache_limit_bytes = mlx_cache_limit(
+                runner.cache_budget_bytes, self.weights_bytes
             )
             info.cache_bytes = runner.cache_bytes
             info.cache_budget_bytes = runner.cache_budget_bytes or 0

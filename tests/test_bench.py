@@ -67,12 +67,16 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         for request in scenario["requests"]:  # exact, from the server's own usage
             assert request["prompt_tokens"] == asked["prompt_tokens"]
             assert request["completion_tokens"] == 32
+            assert request["cached_tokens"] == 0  # no two prompts share a prefix: uncached
         metrics = scenario["metrics"]
         assert metrics["total_output_tokens"] == 32 * asked["requests"]
         assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
         assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
+    for row in run["cached_ttft"]:  # the follow-up turn starts from the conversation cache
+        assert row["cached_tokens"] == row["prompt_tokens"] and row["cached_ttft_ms"] > 0
+    assert [row["prompt_tokens"] for row in run["cached_ttft"]] == [64, 256]
     assert len(run["hardware"]) == 3
     assert all(h["chip"] and h["os"] and h["memory_total_bytes"] > 0 for h in run["hardware"])
     assert run["versions"]["commit"] and run["versions"]["mlx"]
@@ -118,7 +122,7 @@ def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:
         (["--url", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
         (["--url", "http://127.0.0.1:1", "--prompt-tokens", "9000"], "context is 8192 tokens"),
         (["--local", "3", "--concurrency", "0"], "--concurrency values must be >= 1"),
-        (["--hosts", "hosts.txt"], "cluster up --hosts"),
+        (["--hosts", "no-such-cluster.toml"], "no such cluster file"),
         (["--local", "2", "--url", "http://x"], "exactly one of"),
     ],
 )

@@ -112,8 +112,21 @@ def table(report: dict[str, Any]) -> str:
             for n in scenario["nodes"]
         ]
         lines.append(f"  {scenario['name']:<{width}} " + "  ".join(parts))
+    lines += _cached_lines(report)
     lines += _baseline_lines(report)
     return "\n".join(lines)
+
+
+def _cached_lines(report: dict[str, Any]) -> list[str]:
+    rows = report.get("cached_ttft") or []
+    if not rows:
+        return []
+    cells = [
+        f"p{r['prompt_tokens']}: {_cell(r['cached_ttft_ms'], '{:.0f}')} ms "
+        f"({r['cached_tokens']} cached) vs {r['uncached_ttft_ms']:.0f} ms uncached"
+        for r in rows
+    ]
+    return ["", "TTFT of a follow-up turn (conversation cache): " + ", ".join(cells)]
 
 
 def _baseline_lines(report: dict[str, Any]) -> list[str]:
