@@ -95,6 +95,10 @@ class StepRequest:
     them so that a rejection can be undone. `rollback` is the trim-and-restore signal of the
     previous step: drop that many of its trailing positions before computing this one. It rides
     on the step so that a rejection costs no message of its own.
+
+    `next_token` is set on the last chunk of a replay's prefill (a request re-prefilled on a
+    new pipeline after a node loss): the token after the chunk is already known, so the tail
+    samples nothing and only makes the MTP draft that the request was about to verify.
     """
 
     request_id: str
@@ -112,10 +116,13 @@ class StepRequest:
     # snapshot of this id of the caches after this step. 0: none.
     prefix_from: int = 0
     prefix_save: int = 0
+    next_token: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise RequestError("a step needs at least one token")
+        if self.next_token is not None and (self.sample or self.draft_len):
+            raise RequestError("a step with a next_token samples nothing and has no draft")
         if self.position < 0 or self.rollback < 0:
             raise RequestError("position and rollback must be >= 0")
         if not (0 <= self.draft_len < len(self.tokens)):

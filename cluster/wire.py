@@ -202,11 +202,11 @@ def options_from_proto(m: pb.RequestOptions) -> RequestOptions:
 
 
 def step_batch_to_proto(
-    entries: list[StepRequest], hidden: mx.array | None, sequence: int
+    entries: list[StepRequest], hidden: mx.array | None, sequence: int, epoch: int = 0
 ) -> pb.StepBatch:
     """One pipeline step: the requests' entries, their hidden states (None to the head)."""
     try:
-        msg = pb.StepBatch(sequence=sequence)
+        msg = pb.StepBatch(sequence=sequence, epoch=epoch)
         add = msg.entries.add
         for e in entries:
             m = add(
@@ -222,6 +222,8 @@ def step_batch_to_proto(
             )
             if e.options is not None:
                 options_to_proto(e.options, m.options)
+            if e.next_token is not None:
+                m.next_token = e.next_token
         if hidden is not None:
             _fill_tensor(msg.hidden, hidden)
     except WireError:
@@ -245,6 +247,7 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
             token_masks=tuple(m.token_masks),
             prefix_from=m.prefix_from,
             prefix_save=m.prefix_save,
+            next_token=m.next_token if m.HasField("next_token") else None,
         )
         for m in msg.entries
     ]
@@ -255,10 +258,12 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
 # ---- the results stream ----
 
 
-def results_to_proto(results: list[StepResult], errors: list[ErrorEntry]) -> pb.ResultBatch:
+def results_to_proto(
+    results: list[StepResult], errors: list[ErrorEntry], epoch: int = 0
+) -> pb.ResultBatch:
     """The tail's results and any node's per-request errors, in one message."""
     try:
-        msg = pb.ResultBatch()
+        msg = pb.ResultBatch(epoch=epoch)
         add = msg.results.add
         for r in results:
             m = add(

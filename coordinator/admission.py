@@ -5,6 +5,9 @@ adds latency to all the others, so the coordinator admits at most `max_running` 
 Up to `max_queued` more wait in arrival order; beyond that a client is told at once to come
 back later (429 with Retry-After) rather than piling up sockets, and a client that waited
 `queue_timeout_s` without a slot gets a 503 instead of an unbounded wait.
+
+While the coordinator places the model again (a node was lost), admission is paused: running
+requests keep their slots (they are replayed), new ones wait in the same bounded queue.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class AdmissionController:
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self._running = 0
+        self._paused = False
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._mean_service_s = 1.0
 
@@ -50,6 +54,29 @@ class AdmissionController:
     @property
     def queued(self) -> int:
         return sum(1 for waiter in self._waiters if not waiter.done())
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Grant no slot until `resume`: arrivals queue (bounded as ever), slots that free up
+        stay free."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Grant the free slots to the oldest waiters."""
+        self._paused = False
+        while self._running < self.max_running and self._grant():
+            self._running += 1
+
+    def _grant(self) -> bool:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return True
+        return False
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -63,7 +90,7 @@ class AdmissionController:
             self._release()
 
     async def _acquire(self) -> None:
-        if self._running < self.max_running and not self.queued:
+        if self._running < self.max_running and not self.queued and not self._paused:
             self._running += 1
             return
         if self.queued >= self.max_queued:
@@ -103,11 +130,8 @@ class AdmissionController:
             raise
 
     def _release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot moves over; the running count stays
-                return
+        if not self._paused and self._grant():
+            return  # the slot moves over to the oldest waiter; the running count stays
         self._running -= 1
 
     def _discard(self, waiter: asyncio.Future[None]) -> None:

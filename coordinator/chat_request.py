@@ -108,7 +108,7 @@ def _message(message: object, where: str) -> ChatMessage:
     if not isinstance(message, dict):
         raise invalid(f"'{where}' must be an object", where)
     role = message.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # a list role is unhashable
         raise invalid(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}", f"{where}.role")
     for name in message:
         if name not in MESSAGE_FIELDS[role]:

@@ -15,6 +15,16 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
+class HopStatus:
+    """The link a node streams to its successor over (issue 7)."""
+
+    address: str  # the successor's host:port
+    kind: str  # thunderbolt, ethernet, wifi, loopback, other
+    rtt_ms: float  # measured round trip; 0 when the address was given, not measured
+    measured: bool
+
+
+@dataclass(frozen=True, slots=True)
 class NodeStatus:
     """One pipeline stage as last heard from. Layer range is half-open: [start, end)."""
 
@@ -31,6 +41,7 @@ class NodeStatus:
     step_latency_ms: float
     device: str
     weights_fraction: float | None = None  # a weights transfer to the node in progress
+    hop: HopStatus | None = None  # to the successor; None on the tail
     # What `cluster bench` reads: the node's cumulative counters, the round trips of the
     # coordinator's heartbeat to it and of its own pings to its successor, its machine.
     steps_total: int = 0
@@ -45,6 +56,11 @@ class NodeStatus:
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0
     prefix_budget_bytes: int = 0
+    # MLX's memory on the node: arrays alive, freed buffers kept for reuse (bounded by the
+    # node's cache limit), and the high-water mark since it started.
+    mlx_active_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    mlx_peak_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +78,9 @@ class ClusterStats:
     prefix_cache_hits: int = 0
     prefix_cache_saved_tokens: int = 0
     prefix_cache_entries: int = 0
+    # Requests continued on a new placement after a node loss, and those that could not be.
+    replays_total: int = 0
+    replays_failed: int = 0
 
 
 class ClusterView(Protocol):
@@ -137,6 +156,8 @@ def render_prometheus(
         "cluster_prefix_cache_hits": stats.prefix_cache_hits,
         "cluster_prefix_cache_saved_tokens": stats.prefix_cache_saved_tokens,
         "cluster_prefix_cache_entries": stats.prefix_cache_entries,
+        "cluster_replays": stats.replays_total,
+        "cluster_replays_failed": stats.replays_failed,
     }
     for name, (kind, help_text) in _CLUSTER_METRICS.items():
         out.family(name, kind, help_text, [({}, cluster_values[name])])
@@ -156,6 +177,9 @@ _NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeStatus], float]], ...] = (
     ),
     ("cluster_node_memory_used_bytes", "Memory the node uses.", lambda n: n.memory_used_bytes),
     ("cluster_node_memory_total_bytes", "Memory the node has.", lambda n: n.memory_total_bytes),
+    ("cluster_node_mlx_active_bytes", "MLX arrays alive.", lambda n: n.mlx_active_bytes),
+    ("cluster_node_mlx_cache_bytes", "MLX freed buffers kept.", lambda n: n.mlx_cache_bytes),
+    ("cluster_node_mlx_peak_bytes", "MLX memory high-water mark.", lambda n: n.mlx_peak_bytes),
     ("cluster_node_layers", "Decoder layers the node holds.", lambda node: node.end - node.start),
     (
         "cluster_node_prefix_snapshots",
@@ -187,6 +211,8 @@ _CLUSTER_METRICS: dict[str, tuple[str, str]] = {
         "Prompt tokens not prefilled thanks to the prefix cache.",
     ),
     "cluster_prefix_cache_entries": ("gauge", "Prefixes cached on every node."),
+    "cluster_replays": ("counter", "Requests replayed on a new placement after a node loss."),
+    "cluster_replays_failed": ("counter", "Requests that lost their node and found no placement."),
 }
 
 

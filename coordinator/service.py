@@ -23,13 +23,14 @@ from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationR
 from cluster.decode.prefix_index import PrefixIndex
 from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
-from cluster.placement import NodeCapacity, PlacementPlan, plan_placement
+from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_placement
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
-from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
+from coordinator.replay import ReplayingEngine
 from coordinator.weights_host import WeightsHost
 from node.auth import TLSConfig
 from node.client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
@@ -40,13 +41,15 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 RATE_WINDOW_S = 10.0
+REPLAY_WAIT_S = 60.0  # how long a request that lost its pipeline waits for a new placement
+REBALANCE_IDLE_S = 2.0  # idle this long, the coordinator may move to a better placement
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class MeteredEngine:
     """The engine as the HTTP layer sees it, counting tokens and MTP drafts as they pass."""
 
-    def __init__(self, engine: GenerationEngine):
+    def __init__(self, engine: GenerationEngine | ReplayingEngine):
         self.engine = engine
         self.events: deque[tuple[float, int]] = deque()  # (time, tokens emitted)
         self.drafted = 0
@@ -98,8 +101,18 @@ class Coordinator:
         serve_weights: bool = True,
         weights_port: int = 0,
         prefix_cache: bool = True,
+        pinned_addresses: frozenset[str] = frozenset(),
+        adopt_shards: bool = False,
+        admission: AdmissionController | None = None,
+        replay_wait_s: float = REPLAY_WAIT_S,
     ):
         self.model_dir = model_dir
+        self.admission = admission
+        self.replay_wait_s = replay_wait_s
+        self.adopt_shards = adopt_shards  # keep shards that nodes already hold (no reload)
+        # Nodes whose address was given (a cluster file's `address`): their upstream streams
+        # to exactly it, without measuring the others.
+        self.pinned_addresses = pinned_addresses
         self.prefix_cache = prefix_cache
         self.tls = tls
         self.directory = directory
@@ -114,6 +127,17 @@ class Coordinator:
         self.plan: PlacementPlan | None = None
         self.pipeline: RemotePipeline | None = None
         self.engine: MeteredEngine | None = None
+        self.generation: GenerationEngine | None = None
+        self.replaying: ReplayingEngine | None = None
+        # Pipeline epochs: each placement's shards and steps carry their own, so that a node
+        # that hung and woke up cannot mix an old placement's work into a new one.
+        self.epoch = int(time.time() * 1000)
+        self._placed = asyncio.Event()  # set (and replaced) at each new placement
+        self._restore_error: Exception | None = None  # why the last re-placement failed
+        self._no_fit = False  # the last re-placement found no placement that fits
+        self._idle_since = time.monotonic()
+        self.rebalances_total = 0
+        self._placed_among: frozenset[str] = frozenset()  # the nodes that answered then
         self._heard: dict[str, _Heard] = {}
         self._probes: dict[str, NodeClient] = {}
         self._tasks: list[asyncio.Task] = []
@@ -162,14 +186,13 @@ class Coordinator:
                 capacities.append(NodeCapacity(info.node_id, node.address, free))
         return capacities
 
-    async def _load(self) -> None:
-        nodes = await self._capacities()
+    def _plan(self, nodes: list[NodeCapacity]) -> PlacementPlan:
         if not nodes:
             raise NodeUnavailable("no node answers yet (give --nodes, or start nodes with mDNS)")
         if self.layers is not None and len(nodes) < len(self.layers):
             raise NodeUnavailable(f"{len(nodes)} node(s) answer, --layers needs {len(self.layers)}")
         nodes = nodes[: len(self.layers)] if self.layers else nodes
-        plan = plan_placement(
+        return plan_placement(
             nodes,
             self.footprint,
             context_tokens=self.context_tokens,
@@ -177,6 +200,12 @@ class Coordinator:
             layers=self.layers,
             use_all=self.use_all,
         )
+
+    async def _load(self) -> None:
+        nodes = await self._capacities()
+        plan = self._plan(nodes)
+        self._placed_among = frozenset(node.address for node in nodes)
+        self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         addresses = [stage.address for stage in plan.stages]
         ranges = [(stage.start, stage.end) for stage in plan.stages]
         pipeline = await load_pipeline(
@@ -186,29 +215,126 @@ class Coordinator:
             ranges=ranges,
             node_model_dir=self.node_model_dir,
             tls=self.tls,
+            pinned_addresses=self.pinned_addresses,
+            adopt=self.adopt_shards,
+            epoch=self.epoch,
             **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
-        if self.engine is None:
+        self.epoch = pipeline.epoch  # an adopted pipeline keeps the epoch its nodes hold
+        if self.generation is None:
             index = PrefixIndex() if self.prefix_cache else None
-            self.engine = MeteredEngine(GenerationEngine(pipeline, prefix_index=index))
+            self.generation = GenerationEngine(pipeline, prefix_index=index)
+            self.replaying = ReplayingEngine(self.generation, self)
+            self.engine = MeteredEngine(self.replaying)
         else:
-            self.engine.engine.pipeline = pipeline
+            self.generation.pipeline = pipeline
+        self._placed.set()
+        self._placed = asyncio.Event()
         if old is not None:
             await old.close()
-        log.info("model placed:\n%s", plan.format_table())
+        log.info("model placed (epoch %d):\n%s", self.epoch, plan.format_table())
 
     async def _supervise(self) -> None:
-        """Re-place and reload the model when a node of the pipeline failed."""
+        """Re-place and reload the model when a node of the pipeline failed (new requests
+        wait in the admission queue meanwhile); when idle, move to a better placement (a
+        node came back)."""
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            if self.pipeline is None or self.pipeline.failure is None:
+            await asyncio.sleep(HEARTBEAT_S / 4)
+            if self.pipeline is None:
                 continue
+            if self.pipeline.failure is None:
+                await self._rebalance()
+                continue
+            if self.admission is not None:
+                self.admission.pause()
             try:
                 await self._load()
+                self._restore_error, self._no_fit = None, False
                 log.info("pipeline restored")
             except Exception as error:  # keep trying; the dashboard shows what is down
-                log.debug("pipeline not restored yet: %s", error)
+                self._restore_error, self._no_fit = error, isinstance(error, PlacementError)
+                if self._no_fit:
+                    self._placed.set()  # the waiting requests fail: nothing fits
+                    self._placed = asyncio.Event()
+                log.info("pipeline not restored yet: %s", error)
+                await asyncio.sleep(HEARTBEAT_S)
+            finally:
+                if self.admission is not None and self.pipeline.failure is None:
+                    self.admission.resume()
+
+    async def restored(self, failed: RemotePipeline, error: NodeUnavailable) -> None:
+        """`coordinator.replay.Replacement`: wait until a pipeline other than `failed`
+        serves (the supervisor places the model again); raise when none will."""
+        if failed is self.pipeline:
+            failed.fail(error)  # a node of it is unreachable: the whole pipeline goes
+        deadline = time.monotonic() + self.replay_wait_s
+        while self.pipeline is failed or self.pipeline.failure is not None:
+            remaining = deadline - time.monotonic()
+            if self._no_fit or remaining <= 0:
+                why = self._restore_error or "no node set answered"
+                raise NodeUnavailable(
+                    f"{error}; the model could not be placed on the nodes that answer: {why}"
+                )
+            placed = self._placed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(placed.wait(), remaining)
+
+    def _idle(self) -> bool:
+        admission = self.admission
+        busy = self.counters.in_flight > 0 or (
+            admission is not None and (admission.running > 0 or admission.queued > 0)
+        )
+        return not busy
+
+    async def _rebalance(self) -> None:
+        """Between requests, never under a running one: when the nodes that answer now
+        give another placement (a node came back, or woke up), move to it."""
+        now = time.monotonic()
+        if not self._idle():
+            self._idle_since = now
+            return
+        if now - self._idle_since < REBALANCE_IDLE_S or self.plan is None:
+            return
+        self._idle_since = now  # look again a while later
+        answering = self._answering()
+        among = frozenset(node.address for node in answering)
+        if among == self._placed_among:
+            return  # the same nodes as at the last placement: nothing new to place on
+        try:
+            plan = self._plan(answering)
+        except (NodeUnavailable, PlacementError):
+            return
+        if _layout(plan) == _layout(self.plan):
+            self._placed_among = among
+            return
+        if not self._idle():
+            return
+        log.info("a better placement is possible; moving to it between requests")
+        if self.admission is not None:
+            self.admission.pause()
+        try:
+            await self._load()
+            self.rebalances_total += 1
+        except Exception as error:
+            # Some nodes may hold the new shards already: the old pipeline is not to be trusted.
+            log.warning("moving to the new placement failed: %s", error)
+            if self.pipeline is not None:
+                self.pipeline.fail(NodeUnavailable(f"re-placement failed: {error}"))
+        finally:
+            if self.admission is not None and self.pipeline.failure is None:
+                self.admission.resume()
+
+    def _answering(self) -> list[NodeCapacity]:
+        """The nodes that answered the last heartbeat, as placement sees them."""
+        now, nodes = time.monotonic(), []
+        for node in self.directory.nodes():
+            heard = self._heard.get(node.address)
+            if heard and heard.info and now - heard.at < DOWN_AFTER_S:
+                info = heard.info
+                free = max(info.memory_total_bytes - info.memory_used_bytes, 0)
+                nodes.append(NodeCapacity(info.node_id, node.address, free))
+        return nodes
 
     # -- the live view ----------------------------------------------------------------------
 
@@ -268,6 +394,9 @@ class Coordinator:
             step_latency_ms=info.step_latency_ms,
             device=info.device,
             weights_fraction=transfer_fraction(info),
+            hop=HopStatus(info.hop.address, info.hop.kind, info.hop.rtt_ms, info.hop.measured)
+            if info.HasField("hop")
+            else None,
             steps_total=info.steps_total,
             batches_total=info.batches_total,
             busy_seconds_total=info.busy_seconds_total,
@@ -279,12 +408,16 @@ class Coordinator:
             prefix_snapshots=info.prefix_snapshots,
             prefix_snapshot_bytes=info.prefix_snapshot_bytes,
             prefix_budget_bytes=info.prefix_budget_bytes,
+            mlx_active_bytes=info.mlx_active_bytes,
+            mlx_cache_bytes=info.mlx_cache_bytes,
+            mlx_peak_bytes=info.mlx_peak_bytes,
         )
 
     def stats(self) -> ClusterStats:
         engine = self.engine
         drafted = engine.drafted if engine else 0
-        index = engine.engine.prefix_index if engine else None
+        index = self.generation.prefix_index if self.generation else None
+        replaying = self.replaying
         return ClusterStats(
             tokens_per_s=engine.tokens_per_s() if engine else 0.0,
             acceptance_rate=(engine.accepted / drafted) if drafted else 0.0,
@@ -295,6 +428,8 @@ class Coordinator:
             prefix_cache_hits=index.stats.hits if index else 0,
             prefix_cache_saved_tokens=index.stats.cached_tokens if index else 0,
             prefix_cache_entries=len(index) if index else 0,
+            replays_total=replaying.replays_total if replaying else 0,
+            replays_failed=replaying.replays_failed if replaying else 0,
         )
 
 
@@ -317,12 +452,17 @@ async def run_coordinator(
     mtp_depth: MtpDepth = 1,
     weights_port: int = 0,
     prefix_cache: bool = True,
+    pinned_addresses: frozenset[str] = frozenset(),
+    adopt_shards: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     api_keys = api_keys or ApiKeys()
     if not api_keys.enabled and host not in LOOPBACK_HOSTS:
         log.warning("serving on %s without an API key: anyone who reaches it may use it", host)
     directory = NodeDirectory(nodes, browse=browse)
+    admission = AdmissionController(
+        max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
+    )
     coordinator = Coordinator(
         model_dir,
         directory,
@@ -333,6 +473,9 @@ async def run_coordinator(
         tls=tls,
         weights_port=weights_port,
         prefix_cache=prefix_cache,
+        pinned_addresses=pinned_addresses,
+        adopt_shards=adopt_shards,
+        admission=admission,
     )
     tokenizer = load_tokenizer(model_dir)
     await coordinator.start()
@@ -341,9 +484,7 @@ async def run_coordinator(
         tokenizer,
         coordinator,
         model_id=model_dir.name,
-        admission=AdmissionController(
-            max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
-        ),
+        admission=admission,
         counters=coordinator.counters,
         api_keys=api_keys,
         mtp_depth=mtp_depth,
@@ -365,3 +506,7 @@ async def run_coordinator(
     finally:
         await runner.cleanup()
         await coordinator.close()
+
+
+def _layout(plan: PlacementPlan) -> list[tuple[str, int, int]]:
+    return [(stage.address, stage.start, stage.end) for stage in plan.stages]

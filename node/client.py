@@ -118,8 +118,10 @@ class RemotePipeline:
         max_context: int,
         heartbeat_s: float = 1.0,
         heartbeat_timeout_s: float = 2.0,
+        epoch: int = 0,
     ):
         self.clients = clients
+        self.epoch = epoch  # LoadShardRequest.epoch of its shards; other epochs are ignored
         self._max_context = max_context
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -176,7 +178,8 @@ class RemotePipeline:
         self._pending[step.request_id].append(future)
         # One writer task owns the shared stream: a caller cancelled mid-write (a client that
         # hung up) must not cancel the stream that every request rides on.
-        self._outbox.put_nowait(step_batch_to_proto([step], None, next(self._sequence)))
+        message = step_batch_to_proto([step], None, next(self._sequence), self.epoch)
+        self._outbox.put_nowait(message)
         return await future
 
     async def release(self, request_id: str) -> None:
@@ -253,6 +256,8 @@ class RemotePipeline:
     async def _listen(self, client: NodeClient, call: grpc.aio.UnaryStreamCall) -> None:
         try:
             async for batch in call:
+                if batch.epoch != self.epoch:
+                    continue  # a late answer about another placement's steps
                 results, errors = results_from_proto(batch)
                 if batch.prefix_dropped and self.on_prefix_dropped is not None:
                     self.on_prefix_dropped(list(batch.prefix_dropped))
@@ -297,6 +302,12 @@ class RemotePipeline:
         if not future.done():
             future.set_result(result)
 
+    def fail(self, error: NodeUnavailable) -> None:
+        """Declare the pipeline broken (a request met an unreachable node): every request in
+        flight fails with `error`, and so does every later submission."""
+        if self.failure is None:
+            self._fail_all(error)
+
     def _fail_all(self, error: NodeUnavailable) -> None:
         log.warning("%s", error)
         self.failure = error
@@ -305,6 +316,23 @@ class RemotePipeline:
             for future in futures:
                 if not future.done():
                     future.set_exception(error)
+
+
+def holds_shard(info: pb.NodeInfo, request: pb.LoadShardRequest) -> bool:
+    """Whether the node already serves exactly what `request` would load (a restarted
+    driver adopts it instead of reloading its weights)."""
+    if not info.HasField("shard"):
+        return False
+    shard = info.shard
+    return (
+        (shard.model_id, shard.model_dir, shard.start, shard.end, shard.dtype)
+        == (request.model_id, request.model_dir, request.start, request.end, request.dtype)
+        and (shard.is_head, shard.is_tail) == (request.is_head, request.is_tail)
+        and (shard.next_node, shard.next_node_id) == (request.next_node, request.next_node_id)
+        and shard.next_node_pinned == (not request.next_node_links)
+        and not request.HasField("cache_budget_bytes")
+        and not request.HasField("prefix_budget_bytes")
+    )
 
 
 @dataclass
@@ -329,8 +357,17 @@ async def load_pipeline(
     model_digest: str = "",
     weights_port: int = 0,
     prefix_budget_bytes: int | None = None,
+    pinned_addresses: frozenset[str] = frozenset(),
+    adopt: bool = False,
+    epoch: int = 0,
 ) -> RemotePipeline:
     """Load the shards (evenly split unless `ranges`) and open the streams.
+
+    Each node but the tail gets its successor's addresses, times a round trip to each and
+    streams over the fastest, unless the successor's address is in `pinned_addresses`.
+    With `adopt`, when every node already holds exactly its shard, of one pipeline epoch (a
+    restarted driver), no LoadShard is sent and the pipeline runs in that epoch; requests a
+    previous driver left on the nodes are freed by their idle sweep.
 
     With `model_digest` and `weights_port` (the caller's Weights service), a node that lacks a
     verified copy of its shard's tensors fetches them from the caller first."""
@@ -345,7 +382,7 @@ async def load_pipeline(
         raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
     clients = [NodeClient(address, token, tls) for address in addresses]
     try:
-        await asyncio.gather(*(c.info() for c in clients))
+        infos = await asyncio.gather(*(c.info() for c in clients))
         requests = []
         for i, spec in enumerate(specs):
             request = pb.LoadShardRequest(
@@ -359,18 +396,30 @@ async def load_pipeline(
                 model_id=Path(model_dir).name,
                 model_digest=model_digest,
                 weights_port=weights_port,
+                epoch=epoch,
             )
+            if i + 1 < len(addresses):
+                request.next_node_id = infos[i + 1].node_id
+                if addresses[i + 1] not in pinned_addresses:
+                    request.next_node_links.extend(infos[i + 1].links)
             if cache_budget_bytes is not None:
                 request.cache_budget_bytes = cache_budget_bytes
             if prefix_budget_bytes is not None:
                 request.prefix_budget_bytes = prefix_budget_bytes
             requests.append(request)
-        await asyncio.gather(*(c.load_shard(r) for c, r in zip(clients, requests, strict=True)))
+        held_epochs = {info.epoch for info in infos}
+        if adopt and len(held_epochs) == 1 and all(map(holds_shard, infos, requests)):
+            # The whole pipeline is there, of one placement: serve it in that placement's
+            # epoch (a partial adoption would mix epochs, which the nodes refuse).
+            epoch = held_epochs.pop()
+            log.info("every node already holds its shard (epoch %d): adopted", epoch)
+        else:
+            await asyncio.gather(*(c.load_shard(r) for c, r in zip(clients, requests, strict=True)))
     except BaseException:
         for client in clients:
             await client.close()
         raise
-    pipeline = RemotePipeline(clients, max_context=config.max_context)
+    pipeline = RemotePipeline(clients, max_context=config.max_context, epoch=epoch)
     await pipeline.start()
     return pipeline
 

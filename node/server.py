@@ -33,6 +33,8 @@ from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
 from node.hardware import this_machine
+from node.hop import HopChoice, choose_hop
+from node.links import local_links
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
@@ -41,6 +43,19 @@ from proto import cluster_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 IDLE_SWEEP_SECONDS = 5.0
+MIN_MLX_CACHE_BYTES = 32 * 2**20
+
+
+def mlx_cache_limit(cache_budget_bytes: int | None, weights_bytes: int) -> int:
+    """How many bytes of freed buffers MLX may keep for reuse on this node.
+
+    MLX keeps freed buffers up to its memory limit by default, so a node's footprint only
+    ever grows towards it. Buffers of a step's size are worth keeping: as much as the request
+    caches may hold (their budget), or without a budget a quarter of the weights' size, at
+    least MIN_MLX_CACHE_BYTES."""
+    if cache_budget_bytes is not None:
+        return max(cache_budget_bytes, MIN_MLX_CACHE_BYTES)
+    return max(weights_bytes // 4, MIN_MLX_CACHE_BYTES)
 
 
 def device_name() -> str:
@@ -94,6 +109,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.subscribers = Subscribers()
         self.stage: Stage | None = None
         self.shard_request: pb.LoadShardRequest | None = None
+        self.links = [link.to_proto() for link in local_links()]
+        self.hop: HopChoice | None = None  # the link to the successor
+        self.shard_loads = 0
         self.weights_bytes = 0
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()
@@ -148,28 +166,44 @@ class NodeService(pb_grpc.NodeServicer):
                 shard, cache_budget_bytes=budget, prefix_budget_bytes=prefix_budget
             )
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
+            self.hop = None
+            if request.next_node:
+                self.hop = await choose_hop(
+                    request.next_node,
+                    list(request.next_node_links),
+                    request.next_node_id,
+                    self.token,
+                    self.tls,
+                )
             self.stage = Stage(
                 runner,
                 self.worker,
                 self.subscribers,
-                next_node=request.next_node or None,
+                next_node=self.hop.address if self.hop else None,
                 token=self.token,
                 tls=self.tls,
+                epoch=request.epoch,
             )
             self.shard_request = request
+            self.shard_loads += 1
+            mx.set_cache_limit(mlx_cache_limit(budget, self.weights_bytes))
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
 
     async def Steps(
         self, request_iterator: AsyncIterator[pb.StepBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StepEvent]:
-        stage = await self._require_stage(context)
+        await self._require_stage(context)
         replies: asyncio.Queue[pb.StepEvent | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
                 async for message in request_iterator:
-                    stage.accept(message, replies.put_nowait)
+                    # The stage of the moment, not the one the stream began with: a stream
+                    # left open from an old placement must not keep that stage (and its
+                    # caches) alive, and its messages meet the new stage's epoch check.
+                    if self.stage is not None:
+                        self.stage.accept(message, replies.put_nowait)
             finally:
                 replies.put_nowait(None)
 
@@ -219,6 +253,11 @@ class NodeService(pb_grpc.NodeServicer):
         dropped = await self.worker.run(stage.runner.snapshots.drop, ids)
         return pb.PrefixSnapshotDropReply(dropped=len(dropped))
 
+    async def LinkPing(
+        self, request: pb.LinkPingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LinkPingReply:
+        return pb.LinkPingReply(node_id=self.node_id, payload=request.payload)
+
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
     ) -> pb.RollbackReply:
@@ -246,6 +285,9 @@ class NodeService(pb_grpc.NodeServicer):
             device=device_name(),
             memory_total_bytes=total_memory_bytes(),
             memory_used_bytes=process_memory_bytes(),
+            mlx_active_bytes=mx.get_active_memory(),
+            mlx_cache_bytes=mx.get_cache_memory(),
+            mlx_peak_bytes=mx.get_peak_memory(),
             weights_bytes=self.weights_bytes,
             uptime_s=time.monotonic() - self.started,
             chip=hardware.chip,
@@ -253,6 +295,10 @@ class NodeService(pb_grpc.NodeServicer):
             cpu_count=hardware.cpu_count,
         )
         self.weights.fill_info(info)
+        info.links.extend(self.links)
+        info.shard_loads = self.shard_loads
+        if self.hop is not None and self.stage is not None:
+            info.hop.CopyFrom(self.hop.to_proto())
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
             info.shard.CopyFrom(
@@ -265,7 +311,13 @@ class NodeService(pb_grpc.NodeServicer):
                     is_tail=r.is_tail,
                     dtype=r.dtype,
                     next_node=r.next_node,
+                    next_node_pinned=not r.next_node_links,
+                    next_node_id=r.next_node_id,
                 )
+            )
+            info.epoch = r.epoch
+            info.mlx_cache_limit_bytes = mlx_cache_limit(
+                runner.cache_budget_bytes, self.weights_bytes
             )
             info.cache_bytes = runner.cache_bytes
             info.cache_budget_bytes = runner.cache_budget_bytes or 0

@@ -68,9 +68,12 @@ class Subscribers:
         for queue in self._queues:
             queue.put_nowait(batch)
 
-    def fail(self, request_ids: list[str], code: grpc.StatusCode, message: str) -> None:
+    def fail(
+        self, request_ids: list[str], code: grpc.StatusCode, message: str, epoch: int = 0
+    ) -> None:
         if request_ids:
-            self.publish(results_to_proto([], [(rid, code, message) for rid in request_ids]))
+            errors = [(rid, code, message) for rid in request_ids]
+            self.publish(results_to_proto([], errors, epoch))
 
 
 @dataclass(slots=True)
@@ -129,7 +132,11 @@ class Stage:
         token: str,
         tls: TLSConfig | None = None,
         max_batch_positions: int = 4096,
+        epoch: int = 0,
     ):
+        # The driver's placement this stage serves: a message of another epoch (from a node
+        # that hung and woke up with an old placement's work) is refused, never computed.
+        self.epoch = epoch
         self.runner = runner
         self.worker = worker
         self.subscribers = subscribers
@@ -145,15 +152,26 @@ class Stage:
     def accept(self, message: pb.StepBatch, reply: Reply) -> None:
         self.stats.messages_in += 1
         rids = frozenset(entry.request_id for entry in message.entries)
+        if message.epoch != self.epoch:
+            text = f"step of pipeline epoch {message.epoch}; this node serves epoch {self.epoch}"
+            log.info("refused a %s", text)
+            reply(pb.StepEvent(sequence=message.sequence))
+            # Answered in the message's own epoch: only a driver of that epoch listens to it.
+            self.subscribers.fail(
+                list(rids), grpc.StatusCode.FAILED_PRECONDITION, text, message.epoch
+            )
+            return
         self._inbound.append(_Inbound(message, reply, rids))
         self._wakeup.set()
 
     async def close(self) -> None:
         self._task.cancel()
+        self._inbound.clear()
         if self.downstream:
             await self.downstream.close()
         if self.hop_probe:
             await self.hop_probe.close()
+        await self.worker.run(self.runner.close)
 
     async def _loop(self) -> None:
         while True:
@@ -166,7 +184,9 @@ class Stage:
                 except Exception:  # keep serving; the requests of the batch get the error
                     log.exception("step batch failed")
                     rids = [rid for item in batch for rid in item.request_ids]
-                    self.subscribers.fail(rids, grpc.StatusCode.INTERNAL, "step failed on node")
+                    self.subscribers.fail(
+                        rids, grpc.StatusCode.INTERNAL, "step failed on node", self.epoch
+                    )
 
     def _take(self) -> list[_Inbound]:
         """Queued messages to run together, in arrival order (`take_batch`)."""
@@ -185,9 +205,9 @@ class Stage:
         self.stats.busy_s_total += elapsed
         self.stats.batches_total += 1
         if errors:
-            self.subscribers.publish(results_to_proto([], errors))
+            self.subscribers.publish(results_to_proto([], errors, self.epoch))
         if dropped:  # the driver drops them on every node
-            self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped))
+            self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped, epoch=self.epoch))
         if output is None:
             return
         if self.downstream is None:
@@ -200,7 +220,7 @@ class Stage:
             rids = [entry.request_id for entry in output.entries]
             message = f"next node {self.downstream.address} is unreachable: {error}"
             log.warning(message)
-            self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message)
+            self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message, self.epoch)
 
     def _compute(
         self, batch: list[_Inbound]
@@ -239,8 +259,8 @@ class Stage:
         if not out.steps:
             return None, errors, dropped
         if out.hidden is None:
-            return results_to_proto(out.results, []), errors, dropped
-        return step_batch_to_proto(out.steps, out.hidden, 0), errors, dropped
+            return results_to_proto(out.results, [], self.epoch), errors, dropped
+        return step_batch_to_proto(out.steps, out.hidden, 0, self.epoch), errors, dropped
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardSpec(_message.Message):
-    __slots__ = ("model_id", "model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node")
+    __slots__ = ("model_id", "model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "next_node_pinned", "next_node_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class ShardSpec(_message.Message):
     IS_TAIL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NEXT_NODE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_dir: str
     start: int
@@ -38,10 +40,12 @@ class ShardSpec(_message.Message):
     is_tail: bool
     dtype: str
     next_node: str
-    def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
+    next_node_pinned: bool
+    next_node_id: str
+    def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., next_node_pinned: _Optional[bool] = ..., next_node_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "links", "hop", "shard_loads", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -64,12 +68,20 @@ class NodeInfo(_message.Message):
     PREFIX_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_RESUMES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_LOADS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
     CHIP_FIELD_NUMBER: _ClassVar[int]
     OS_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_CACHE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -92,16 +104,24 @@ class NodeInfo(_message.Message):
     prefix_snapshot_bytes: int
     prefix_budget_bytes: int
     prefix_resumes: int
+    links: _containers.RepeatedCompositeFieldContainer[NodeLink]
+    hop: HopLink
+    shard_loads: int
     busy_seconds_total: float
     batches_total: int
     next_hop_rtt_ms: float
     chip: str
     os: str
     cpu_count: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ...) -> None: ...
+    epoch: int
+    mlx_active_bytes: int
+    mlx_cache_bytes: int
+    mlx_peak_bytes: int
+    mlx_cache_limit_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., hop: _Optional[_Union[HopLink, _Mapping]] = ..., shard_loads: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes", "next_node_links", "next_node_id", "epoch")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +135,9 @@ class LoadShardRequest(_message.Message):
     WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_LINKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
     end: int
@@ -128,7 +151,10 @@ class LoadShardRequest(_message.Message):
     weights_port: int
     weights_address: str
     prefix_budget_bytes: int
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ...) -> None: ...
+    next_node_links: _containers.RepeatedCompositeFieldContainer[NodeLink]
+    next_node_id: str
+    epoch: int
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ..., next_node_links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., next_node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -161,7 +187,7 @@ class RequestOptions(_message.Message):
     def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mtp: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "token_masks", "prefix_from", "prefix_save")
+    __slots__ = ("request_id", "tokens", "position", "draft_len", "rollback", "sample", "options", "token_masks", "prefix_from", "prefix_save", "next_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +198,7 @@ class StepEntry(_message.Message):
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SAVE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     position: int
@@ -182,17 +209,20 @@ class StepEntry(_message.Message):
     token_masks: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_from: int
     prefix_save: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ...) -> None: ...
+    next_token: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_len: _Optional[int] = ..., rollback: _Optional[int] = ..., sample: _Optional[bool] = ..., options: _Optional[_Union[RequestOptions, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., prefix_from: _Optional[int] = ..., prefix_save: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("entries", "hidden", "sequence")
+    __slots__ = ("entries", "hidden", "sequence", "epoch")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
     hidden: Tensor
     sequence: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sequence: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StepEvent(_message.Message):
     __slots__ = ("sequence",)
@@ -245,14 +275,16 @@ class StepError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
-    __slots__ = ("results", "errors", "prefix_dropped")
+    __slots__ = ("results", "errors", "prefix_dropped", "epoch")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ResultEntry]
     errors: _containers.RepeatedCompositeFieldContainer[StepError]
     prefix_dropped: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ..., prefix_dropped: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ResultEntry, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ..., prefix_dropped: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "prefix_save", "prefix_positions")
@@ -363,3 +395,41 @@ class WeightsCachedModel(_message.Message):
     present_bytes: int
     last_used: float
     def __init__(self, digest: _Optional[str] = ..., name: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., present_bytes: _Optional[int] = ..., last_used: _Optional[float] = ...) -> None: ...
+
+class NodeLink(_message.Message):
+    __slots__ = ("address", "interface", "kind")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    interface: str
+    kind: str
+    def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class HopLink(_message.Message):
+    __slots__ = ("address", "kind", "interface", "rtt_ms", "measured")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    kind: str
+    interface: str
+    rtt_ms: float
+    measured: bool
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., interface: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., measured: _Optional[bool] = ...) -> None: ...
+
+class LinkPingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class LinkPingReply(_message.Message):
+    __slots__ = ("node_id", "payload")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    payload: bytes
+    def __init__(self, node_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...

@@ -55,6 +55,20 @@ class GenerationChunk:
     # Per token of `tokens`, the likeliest (token, logprob) pairs, when asked for.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     cached_tokens: int = 0  # prompt tokens taken from the conversation cache, not prefilled
+    drafts: tuple[int, ...] = ()  # the MTP drafts the next step verifies (what a resume needs)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a request stood when its pipeline failed: what it emitted, the drafts its next
+    step was to verify, and the draft counts so far. `GenerationEngine.stream(request,
+    resume=...)` re-prefills prompt + emitted on the engine's (new) pipeline and continues
+    with exactly the tokens the request would have produced (greedy, or seeded sampling)."""
+
+    emitted: tuple[int, ...] = ()
+    drafts: tuple[int, ...] = ()
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +112,21 @@ class GenerationEngine:
     def max_context(self) -> int:
         return self.pipeline.max_context
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def stream(
+        self, request: GenerationRequest, resume: ResumePoint | None = None
+    ) -> AsyncIterator[GenerationChunk]:
         """Yield tokens as the pipeline emits them. Closing the generator early cancels the
-        request; its state is released on every shard in all cases."""
+        request; its state is released on every shard in all cases. With `resume`, the
+        request continues after the tokens it emitted before (which are not yielded again)."""
         if len(request.prompt) + request.max_tokens > self.max_context:
             raise RequestError(
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) "
                 f"exceeds the context of {self.max_context} tokens"
             )
+        if resume is not None and resume.emitted:
+            async for chunk in self._resumed(request, resume):
+                yield chunk
+            return
         rid = _run_id(request)
         index = self.prefix_index
         entry, save = None, 0
@@ -138,14 +159,14 @@ class GenerationEngine:
                 produced += len(tokens)
                 logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
                 top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
-                yield GenerationChunk(
-                    tokens, finish, drafted, accepted, logprobs, top, cached_tokens=cached
-                )
-                if finish:
-                    return
                 drafts = result.drafts if request.options.mtp else ()
                 # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
                 drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
+                yield GenerationChunk(
+                    tokens, finish, drafted, accepted, logprobs, top, cached, drafts
+                )
+                if finish:
+                    return
                 step = self._next_step(step, result, drafts)
                 if request.constraint is not None:
                     request.constraint.advance(tokens)
@@ -154,6 +175,77 @@ class GenerationEngine:
                 result = await self.pipeline.submit(step)
         finally:
             await asyncio.shield(self._end(rid, request, settled, fed))
+
+    async def _resumed(
+        self, request: GenerationRequest, resume: ResumePoint
+    ) -> AsyncIterator[GenerationChunk]:
+        """`stream` from a resume point, on the pipeline of the moment, without the
+        conversation cache (a replay is rare; it re-prefills prompt + emitted)."""
+        pipeline = self.pipeline
+        rid = _run_id(request)
+        try:
+            step, result = await self._replay_prefill(pipeline, rid, request, resume)
+            produced, drafted, accepted = len(resume.emitted), resume.drafted, resume.accepted
+            # A constraint went on with the tokens emitted before the loss: it stands there.
+            while True:
+                drafted += result.drafted
+                accepted += result.accepted
+                tokens, finish = _cut(result.tokens, request, produced)
+                produced += len(tokens)
+                logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
+                top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
+                drafts = result.drafts if request.options.mtp else ()
+                drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
+                yield GenerationChunk(
+                    tokens, finish, drafted, accepted, logprobs, top, drafts=drafts
+                )
+                if finish:
+                    return
+                step = self._next_step(step, result, drafts)
+                if request.constraint is not None:
+                    request.constraint.advance(tokens)
+                    step = replace(step, token_masks=request.constraint.masks(drafts))
+                result = await pipeline.submit(step)
+        finally:
+            await asyncio.shield(pipeline.release(rid))
+
+    async def _replay_prefill(
+        self, pipeline: Pipeline, rid: str, request: GenerationRequest, resume: ResumePoint
+    ) -> tuple[StepRequest, StepResult]:
+        """Re-prefill prompt + emitted and take the step the request was about to take.
+
+        Without pending drafts, that step samples the token after the emitted ones: a
+        prefill of prompt + emitted ending in a sampled chunk is exactly it. With drafts, the
+        next step was [last emitted, drafts]: the prefill stops before the last emitted token
+        and passes it as `next_token`, so the tail drafts again (its random numbers are keyed
+        by position) and the step [last, drafts] follows as it would have."""
+        tokens = request.prompt + resume.emitted
+        size = self.prefill_chunk
+        with_drafts = bool(resume.drafts) and request.options.mtp
+        fed = tokens[:-1] if with_drafts else tokens
+        masks = ()
+        if request.constraint is not None and not with_drafts:
+            masks = request.constraint.masks(())
+        steps = [
+            StepRequest(
+                rid,
+                fed[i : i + size],
+                position=i,
+                sample=i + size >= len(fed) and not with_drafts,
+                options=request.options if i == 0 else None,
+                next_token=tokens[-1] if with_drafts and i + size >= len(fed) else None,
+                token_masks=masks if i + size >= len(fed) else (),
+            )
+            for i in range(0, len(fed), size)
+        ]
+        results = await _submit_all(pipeline, steps)
+        if not with_drafts:
+            return steps[-1], results[-1]
+        drafts = results[-1].drafts[: len(resume.drafts)]
+        step = StepRequest(rid, (tokens[-1], *drafts), len(tokens) - 1, draft_len=len(drafts))
+        if request.constraint is not None:
+            step = replace(step, token_masks=request.constraint.masks(drafts))
+        return step, await pipeline.submit(step)
 
     async def generate(
         self,
@@ -206,14 +298,7 @@ class GenerationEngine:
         ]
         if request.constraint is not None:
             steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
-        # Submitted together: a later chunk can enter the head while an earlier one runs on.
-        pending = [asyncio.ensure_future(self.pipeline.submit(s)) for s in steps]
-        try:
-            results = await asyncio.gather(*pending)
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+        results = await _submit_all(self.pipeline, steps)
         return steps[-1], results[-1]
 
     # -- the conversation cache -------------------------------------------------------------
@@ -287,6 +372,17 @@ class GenerationEngine:
             draft_len=len(drafts),
             rollback=len(step.tokens) - result.keep,
         )
+
+
+async def _submit_all(pipeline: Pipeline, steps: list[StepRequest]) -> list[StepResult]:
+    """Submitted together: a later chunk can enter the head while an earlier one runs on."""
+    pending = [asyncio.ensure_future(pipeline.submit(s)) for s in steps]
+    try:
+        return list(await asyncio.gather(*pending))
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        raise
 
 
 def _run_id(request: GenerationRequest) -> str:

@@ -131,6 +131,7 @@ class ShardRunner:
         return BatchOutput(ran, results=results, errors=errors, prefix_dropped=dropped)
 
     def _prepare(self, step: StepRequest) -> RequestState:
+        self._check_tokens(step)
         state = self.requests.get(step.request_id)
         if state is None:
             if step.request_id in self._released:
@@ -152,6 +153,18 @@ class ShardRunner:
         self._check_budget(state, len(step.tokens))
         state.last_used = time.monotonic()
         return state
+
+    def _check_tokens(self, step: StepRequest) -> None:
+        """Token ids come off the wire: one outside the vocabulary would index past the
+        embedding (garbage, or a crash on the device), so it is refused here."""
+        vocab = self.shard.vocab_size
+        tokens = step.tokens if step.next_token is None else (*step.tokens, step.next_token)
+        if not all(0 <= token < vocab for token in tokens):
+            bad = next(token for token in tokens if not 0 <= token < vocab)
+            raise RequestError(
+                f"request {step.request_id!r}: token id {bad} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
 
     def _open(self, step: StepRequest) -> RequestState:
         tail = self.tail.open(step.options) if self.tail else None
@@ -272,6 +285,12 @@ class ShardRunner:
         if len(self._released) > RELEASED_MEMORY:
             self._released.popitem(last=False)
         return self.requests.pop(request_id, None) is not None
+
+    def close(self) -> None:
+        """Drop every request and snapshot: the shard is replaced (a new placement). A step
+        stream still open to the old stage must not keep their caches alive."""
+        self.requests.clear()
+        self.snapshots.clear()
 
     def evict_idle(self, idle_seconds: float) -> list[str]:
         now = time.monotonic()

@@ -42,17 +42,50 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return logprobs
 
 
+# What a random number decides, so that one position's decisions never share a key.
+TARGET, DRAFT = 0, 1
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """A 64-bit hash of the values (splitmix64 steps): cheap, and a pure function."""
+    h = 0x9E3779B97F4A7C15
+    for value in values:
+        h = (h ^ (value & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h
+
+
 class RequestRandom:
-    """A request's own random stream: seeded requests replay exactly."""
+    """A request's own random stream: seeded requests replay exactly.
+
+    `at(position)` is the stream that decides the token at an absolute position: a pure
+    function of the seed, the position and the purpose, however the steps before it fell. A
+    request re-prefilled on another pipeline after a node loss (prompt + emitted tokens)
+    therefore draws the same numbers as it would have, and continues with the same tokens.
+    """
 
     def __init__(self, seed: int | None):
         if seed is None:
-            seed = int.from_bytes(os.urandom(4), "little")
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        self.seed = seed
         self._key = mx.random.key(seed)
 
     def next_key(self) -> mx.array:
         self._key, key = mx.random.split(self._key)
         return key
+
+    def at(self, position: int, purpose: int = TARGET) -> RequestRandom:
+        return RequestRandom(_mix(self.seed, position, purpose) >> 1)
+
+    def uniform_at(self, positions: range, purpose: int) -> mx.array:
+        """One uniform number in [0, 1) per position, [len(positions)]."""
+        draws = [
+            mx.random.uniform(shape=(1,), key=mx.random.key(_mix(self.seed, p, purpose)))
+            for p in positions
+        ]
+        return draws[0] if len(draws) == 1 else mx.concatenate(draws)
 
 
 def sample(logprobs: mx.array, params: SamplingParams, rng: RequestRandom) -> mx.array:
@@ -62,13 +95,26 @@ def sample(logprobs: mx.array, params: SamplingParams, rng: RequestRandom) -> mx
     return draw(mx.exp(logprobs), rng)
 
 
+def sample_with(logprobs: mx.array, params: SamplingParams, u: mx.array | None) -> mx.array:
+    """`sample` with the uniform number(s) given: one per row, in [0, 1) (None if greedy)."""
+    if params.greedy:
+        return mx.argmax(logprobs, axis=-1)
+    return draw_with(mx.exp(logprobs), u)
+
+
 def draw(weights: mx.array, rng: RequestRandom) -> mx.array:
     """One index per row, with probability proportional to `weights` (not normalised).
 
     Inverse-CDF sampling: one uniform number per row rather than Gumbel noise over the whole
     vocabulary, which on a 250k vocabulary is most of a step's sampling cost.
     """
+    return draw_with(weights, mx.random.uniform(shape=weights.shape[:-1], key=rng.next_key()))
+
+
+def draw_with(weights: mx.array, u: mx.array) -> mx.array:
+    """`draw` with the uniform number(s) given: `u` has the shape of `weights` less its last
+    axis."""
     cdf = mx.cumsum(weights.astype(mx.float32), axis=-1)
-    u = mx.random.uniform(shape=(*cdf.shape[:-1], 1), key=rng.next_key()) * cdf[..., -1:]
+    u = u.reshape(*cdf.shape[:-1], 1) * cdf[..., -1:]
     # The first index whose cumulative weight exceeds u; a zero-weight token is never chosen.
     return mx.minimum((cdf <= u).sum(axis=-1), cdf.shape[-1] - 1)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from cluster.decode.mtp_depth import Acceptance, DepthPolicy
-from cluster.decode.sampling import RequestRandom, log_probs, sample
+from cluster.decode.sampling import DRAFT, RequestRandom, log_probs, sample, sample_with
 from cluster.decode.step_cost import StepCost
 from cluster.decode.token_mask import constrain
 from cluster.decode.verify import Candidates, decide, propose
@@ -102,6 +102,20 @@ class _Job:
     emitted_logprobs: tuple[float, ...] | None = None
     emitted_top: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
+    @property
+    def replays(self) -> bool:
+        """A replay's prefill chunk whose next token is known: it drafts, samples nothing."""
+        return self.candidates is None and self.step.next_token is not None
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the MTP head may make a draft for this request in this step."""
+        return (self.candidates is not None or self.replays) and self.depth > 0
+
+    def first_draft_position(self) -> int:
+        """The position of the first draft, once the verdict is read."""
+        return self.step.position + self.step.n_confirmed + self.accepted + 1
+
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
         out += [self.logprobs] if self.logprobs is not None else []
@@ -158,7 +172,7 @@ class Tail:
         # request that will not draft costs no lm_head row for a draft.
         positions = sum(len(s.tokens) for s in steps)
         for job in mtp_jobs:
-            if job.candidates is not None:
+            if job.candidates is not None or job.replays:
                 others = positions - len(job.step.tokens)
                 job.depth = job.state.depth.next_depth(self.step_cost, others)
             job.state.discard_speculative()
@@ -189,7 +203,9 @@ class Tail:
             params = job.state.options.sampling
             target = log_probs(constrain(logits[row : row + n], job.step.token_masks), params)
             q = job.state.draft_logprobs[: len(drafts)] if drafts and not params.greedy else None
-            job.candidates = propose(target, drafts, q, params, job.state.rng)
+            # Keyed by the position of the first token it decides: a replay draws the same.
+            rng = job.state.rng.at(job.step.position + job.step.n_confirmed)
+            job.candidates = propose(target, drafts, q, params, rng)
             if job.state.options.logprobs:
                 job.logprobs = log_probs(logits[row : row + n], _PLAIN)
                 job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
@@ -203,7 +219,9 @@ class Tail:
         if c is not None:
             state.recent_inputs = hidden[:, step.n_confirmed - 1 :]
             state.recent_start = step.position + step.n_confirmed - 1
-        if c is None:  # an intermediate prefill chunk: the last position waits for its token
+        if job.replays:  # a replay's last prefill chunk: the token after it is known
+            tokens, pending = _ids((*step.tokens[1:], step.next_token)), None
+        elif c is None:  # an intermediate prefill chunk: the last position waits for its token
             tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]
         elif step.draft_len == 0:  # a prompt's last chunk, or a step without a draft
@@ -232,25 +250,34 @@ class Tail:
         out = self.shard.mtp(self.shard.embed(tokens), hidden, segments)
         ends = list(itertools.accumulate(job.mtp_tokens.size for job in jobs))
         # The draft comes after the position where the last emitted token stands: for a step
-        # with k drafts, the one after the accepted prefix, picked on the device.
-        rows = []
-        drafting = [job for job in jobs if job.candidates is not None and job.depth]
+        # with k drafts, the one after the accepted prefix, picked on the device. Its random
+        # number is keyed by the draft's own position (a replay draws the same), picked on
+        # the device the same way.
+        rows, uniforms = [], []
+        drafting = [job for job in jobs if job.drafts]
         for job, end in zip(jobs, ends, strict=True):
-            if job.candidates is None or not job.depth:
+            if not job.drafts:
                 continue
-            if job.step.draft_len:
-                k = job.step.draft_len
+            step, rng = job.step, job.state.rng
+            first = step.position + len(step.tokens) + 1  # with no draft accepted
+            greedy = job.state.options.sampling.greedy
+            if step.draft_len:
+                k = step.draft_len
                 accepted = mx.cumprod(job.candidates.accept.astype(mx.uint32)).sum()
                 rows.append(out[0, end - k - 1 : end][accepted])
+                u = None if greedy else rng.uniform_at(range(first - k, first + 1), DRAFT)
+                uniforms.append(None if u is None else u[accepted])
             else:
                 rows.append(out[0, end - 1])
+                u = None if greedy else rng.uniform_at(range(first, first + 1), DRAFT)
+                uniforms.append(None if u is None else u[0])
         if not rows:
             return
         logits = self.shard.logits(mx.stack(rows))
         for i, job in enumerate(drafting):
             params = job.state.options.sampling
             q = log_probs(logits[i], params)
-            job.draft = (sample(q, params, job.state.rng), q)
+            job.draft = (sample_with(q, params, uniforms[i]), q)
             job.draft_hidden = rows[i]
 
     def _conclude(self, job: _Job) -> None:
@@ -258,6 +285,9 @@ class Tail:
         step, state = job.step, job.state
         if job.candidates is None:
             job.keep = len(step.tokens)
+            if job.draft is not None:
+                token, q = job.draft
+                state.drafts, state.draft_logprobs = (int(token.item()),), q[None]
             return
         job.emitted, job.accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
         job.keep = step.n_confirmed + job.accepted
@@ -303,7 +333,9 @@ class Tail:
             for i, job in enumerate(active):
                 params = job.state.options.sampling
                 q = log_probs(logits[i], params)
-                tokens[id(job)].append(sample(q, params, job.state.rng))
+                # Keyed by the draft's position, which the verdict has fixed by now.
+                position = job.first_draft_position() + link
+                tokens[id(job)].append(sample(q, params, job.state.rng.at(position, DRAFT)))
                 dists[id(job)].append(q)
                 hidden[id(job)] = out[0, i]
         for job in jobs:
@@ -316,7 +348,9 @@ class Tail:
     def _result(job: _Job) -> StepResult:
         step = job.step
         if job.candidates is None:
-            return StepResult(step.request_id, (), job.keep)
+            return StepResult(
+                step.request_id, (), job.keep, job.state.drafts if job.replays else ()
+            )
         return StepResult(
             step.request_id, job.emitted, job.keep, job.state.drafts,
             step.draft_len, job.accepted, job.emitted_logprobs, job.emitted_top,

@@ -50,6 +50,7 @@ class ModelShard(nn.Module):
             )
         self.spec = spec
         self.hidden_size = args.hidden_size
+        self.vocab_size = args.vocab_size
         self.tied = args.tie_word_embeddings
         # The tail needs the embedding for the MTP head (and as lm_head when tied).
         if spec.is_head or (spec.is_tail and (with_mtp or self.tied)):

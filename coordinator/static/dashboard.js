@@ -63,8 +63,16 @@ function nodeCard(node, index) {
     const budget = (node.prefix_budget_bytes / 2 ** 20).toFixed(0);
     rows.push(["Prefix cache", el("dd", "mono", `${node.prefix_snapshots} · ${mib} / ${budget} MiB`)]);
   }
+  if (node.mlx_active_bytes || node.mlx_cache_bytes) {
+    const mlx = `${fmtBytes(node.mlx_active_bytes)} active · ${fmtBytes(node.mlx_cache_bytes)} cached · ${fmtBytes(node.mlx_peak_bytes)} peak`;
+    rows.push(["MLX memory", el("dd", "mono", mlx)]);
+  }
   if (node.weights_fraction !== null && node.weights_fraction !== undefined) {
     rows.push(["Weights", el("dd", "mono", `fetching ${(node.weights_fraction * 100).toFixed(0)}%`)]);
+  }
+  if (node.hop) {
+    const how = node.hop.measured ? `${node.hop.rtt_ms.toFixed(2)} ms` : "given";
+    rows.push(["Next hop", el("dd", "mono", `${node.hop.address} · ${node.hop.kind || "?"} · ${how}`)]);
   }
   for (const [label, value] of rows) kv.append(el("dt", "", label), value);
 
@@ -109,6 +117,8 @@ function drawStats(data) {
   $("stat-queued").textContent = admission ? `${admission.queued} / ${admission.max_queued}` : "—";
   $("stat-prefix").textContent = `${stats.prefix_cache_hits} (${stats.prefix_cache_saved_tokens} tok saved)`;
   $("stat-prefix").title = `${stats.prefix_cache_entries} prefixes cached on every node`;
+  $("stat-replays").textContent = String(stats.replays_total);
+  $("stat-replays").title = `${stats.replays_failed} could not be replayed (no placement fits)`;
   $("stat-requests").textContent = String(stats.requests_total);
   $("stat-errors").textContent = String(stats.errors_total);
   $("stat-errors").classList.toggle("bad", stats.errors_total > 0);

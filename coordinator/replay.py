@@ -1,0 +1,76 @@
+"""Replay: a request whose pipeline failed continues on the next one, losing nothing.
+
+The coordinator keeps, for each running request, what a new pipeline needs to continue it:
+the prompt (in the request), the tokens emitted so far, the MTP drafts its next step was to
+verify, and its sampling state (the options; seeded sampling is keyed by position, see
+cluster.decode.sampling). When a node dies or stops answering, the request's stream meets
+`NodeUnavailable`; it then waits until the coordinator has placed the model again and
+re-prefills prompt + emitted there (`GenerationEngine.stream(resume=...)`). The client sees a
+pause, not an error, and the same tokens as if nothing had happened. Only when the model
+cannot be placed again does the request fail, with an error that says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest, ResumePoint
+from cluster.decode.pipeline import Pipeline
+from node.client import NodeUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Replacement(Protocol):
+    """Who places the model again (the coordinator)."""
+
+    async def restored(self, failed: Pipeline, error: NodeUnavailable) -> None:
+        """Return once a pipeline other than `failed` serves; raise `NodeUnavailable`
+        (saying why) when none will."""
+        ...
+
+
+class ReplayingEngine:
+    """`GenerationEngine.stream` that survives node losses by replaying on the new pipeline."""
+
+    def __init__(self, engine: GenerationEngine, replacement: Replacement) -> None:
+        self.engine = engine
+        self.replacement = replacement
+        self.replays_total = 0  # requests continued on a new pipeline
+        self.replays_failed = 0  # requests that could not be continued
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        point = ResumePoint()
+        while True:
+            pipeline = self.engine.pipeline
+            chunks = self.engine.stream(request, resume=point)
+            try:
+                async for chunk in chunks:
+                    point = ResumePoint(
+                        point.emitted + chunk.tokens, chunk.drafts, chunk.drafted, chunk.accepted
+                    )
+                    yield chunk
+                return
+            except NodeUnavailable as error:
+                lost = error
+            finally:
+                await chunks.aclose()
+            log.info(
+                "request %s lost its pipeline after %d token(s): %s",
+                request.request_id,
+                len(point.emitted),
+                lost,
+            )
+            try:
+                await self.replacement.restored(pipeline, lost)
+            except NodeUnavailable:
+                self.replays_failed += 1
+                raise
+            self.replays_total += 1
+            log.info("replaying request %s on the new placement", request.request_id)

@@ -1,0 +1,143 @@
+"""Replay: a request cut off mid-generation continues on another pipeline with exactly the
+tokens it would have produced (greedy and seeded sampling, with and without MTP).
+
+The engine is cut after a few chunks (as a node loss cuts it), then resumed on a fresh
+pipeline from what the cut run emitted; the concatenation must equal an undisturbed run.
+A 2-stage local pipeline stands for the new placement, so the replay also crosses layouts.
+The coordinator-level half (`ReplayingEngine`) is driven with a pipeline that fails on cue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import CODE_PROMPTS, run
+
+from cluster.decode.engine import GenerationEngine, GenerationRequest, ResumePoint
+from cluster.local import open_local_engine
+from cluster.messages import RequestError, RequestOptions, SamplingParams, StepRequest
+
+MAX_TOKENS = 32
+PREFILL_CHUNK = 8  # small, so that a replay's prefill spans several chunks
+
+CASES = {
+    "greedy-mtp": RequestOptions(SamplingParams(), mtp=True),
+    "seeded-mtp": RequestOptions(SamplingParams(0.9, top_p=0.95, seed=11), mtp=True),
+    "seeded-plain": RequestOptions(SamplingParams(1.0, top_k=50, seed=5), mtp=False),
+    "seeded-deep": RequestOptions(SamplingParams(0.8, seed=3), mtp=True, mtp_depth=3),
+    "greedy-deep": RequestOptions(SamplingParams(), mtp=True, mtp_depth=2),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    """(the engine that gets cut, the engine a replay continues on: another layout)."""
+
+    async def go():
+        first = await open_local_engine(model_dir, prefill_chunk=PREFILL_CHUNK)
+        second = await open_local_engine(
+            model_dir, ranges=[(0, 3), (3, 8)], prefill_chunk=PREFILL_CHUNK
+        )
+        return first, second
+
+    first, second = run(go())
+    yield first.engine, second.engine
+    first.close()
+    second.close()
+
+
+async def _cut_after(engine: GenerationEngine, request, chunks: int) -> ResumePoint:
+    """Run `request` for `chunks` chunks, then drop it (as a node loss does)."""
+    emitted: list[int] = []
+    stream = engine.stream(request)
+    chunk = None
+    try:
+        for _ in range(chunks):
+            chunk = await anext(stream)
+            emitted += chunk.tokens
+    finally:
+        await stream.aclose()
+    assert chunk is not None and chunk.finish_reason is None, "finished before the cut"
+    return ResumePoint(tuple(emitted), chunk.drafts, chunk.drafted, chunk.accepted)
+
+
+async def _resume(engine: GenerationEngine, request, point: ResumePoint) -> tuple[int, ...]:
+    tokens = list(point.emitted)
+    async for chunk in engine.stream(request, resume=point):
+        tokens += chunk.tokens
+    return tuple(tokens)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replay_continues_with_the_undisturbed_tokens(engines, tokenizer, case) -> None:
+    cut_engine, replay_engine = engines
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
+    request = GenerationRequest(prompt, MAX_TOKENS, CASES[case])
+
+    async def go():
+        undisturbed = (await cut_engine.generate(request)).tokens
+        assert len(undisturbed) == MAX_TOKENS
+        for chunks in (1, 6):
+            point = await _cut_after(cut_engine, request, chunks)
+            if request.options.mtp:
+                assert point.drafts
+            replayed = await _resume(replay_engine, request, point)
+            assert replayed == undisturbed, f"cut after {chunks} chunk(s)"
+        # The replay is itself replayable (a second node loss).
+        point = await _cut_after(cut_engine, request, 3)
+        stream = replay_engine.stream(request, resume=point)
+        more = list(point.emitted)
+        try:
+            chunk = await anext(stream)
+            more += chunk.tokens
+        finally:
+            await stream.aclose()
+        again = ResumePoint(tuple(more), chunk.drafts, chunk.drafted, chunk.accepted)
+        assert await _resume(cut_engine, request, again) == undisturbed
+
+    run(go())
+
+
+def test_next_token_steps_are_validated() -> None:
+    with pytest.raises(RequestError):
+        StepRequest("r", (1, 2), position=0, sample=True, next_token=3)
+    with pytest.raises(RequestError):
+        StepRequest("r", (1, 2), position=0, sample=False, draft_len=1, next_token=3)
+    StepRequest("r", (1, 2), position=0, sample=False, next_token=3)
+
+
+def test_out_of_vocabulary_tokens_are_refused(engines) -> None:
+    engine, _ = engines
+    request = GenerationRequest((1, 2, 10**6), 4)
+
+    async def go():
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            await engine.generate(request)
+        # and the engine serves on
+        assert len((await engine.generate(GenerationRequest((1, 2, 3), 4))).tokens) == 4
+
+    run(go())
+
+
+def test_concurrent_replays_match(engines, tokenizer) -> None:
+    """Several requests cut at different points and replayed together (batched)."""
+    cut_engine, replay_engine = engines
+    requests = [
+        GenerationRequest(tuple(tokenizer.encode(p)), 24, options)
+        for p, options in zip(CODE_PROMPTS, list(CASES.values())[1:], strict=True)
+    ]
+
+    async def go():
+        undisturbed = [
+            o.tokens for o in await asyncio.gather(*(cut_engine.generate(r) for r in requests))
+        ]
+        points = await asyncio.gather(
+            *(_cut_after(cut_engine, r, 1 + i) for i, r in enumerate(requests))
+        )
+        replayed = await asyncio.gather(
+            *(_resume(replay_engine, r, p) for r, p in zip(requests, points, strict=True))
+        )
+        assert replayed == undisturbed
+
+    run(go())
