@@ -253,7 +253,8 @@ def up_command(
 @click.command("status")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
 @click.option("--api-key", envvar=API_KEY_ENV, default=None, help="The coordinator's API key.")
-def status_command(url: str, api_key: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the coordinator's cluster document.")
+def status_command(url: str, api_key: str | None, as_json: bool) -> None:
     """Print the cluster table of a running coordinator."""
     request = urllib.request.Request(f"{url.rstrip('/')}/api/cluster")
     if api_key:
@@ -269,6 +270,9 @@ def status_command(url: str, api_key: str | None) -> None:
         raise click.ClickException(f"the coordinator at {url} answered {error}") from error
     except (urllib.error.URLError, OSError) as error:
         raise click.ClickException(f"cannot reach the coordinator at {url}: {error}") from error
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
     stats = data.get("stats", {})
     click.echo(
         f"model {stats.get('model_id', '?')}  {stats.get('tokens_per_s', 0):.1f} tokens/s  "
@@ -288,4 +292,11 @@ def status_command(url: str, api_key: str | None) -> None:
             f"{node['node_id']:<22} {node['address']:<22} {layers:<10} {role:<10} "
             f"{'up' if node['up'] else 'DOWN':<6} {memory:>18} {node['step_latency_ms']:>8.2f}"
             + (f"  fetching weights {fetching:.0%}" if fetching is not None else "")
+            + (f"  -> {_describe_hop(node['hop'])}" if node.get("hop") else "")
         )
+
+
+def _describe_hop(hop: dict) -> str:
+    """The link to the successor: address, kind, and the round trip when it was measured."""
+    how = f"{hop['rtt_ms']:.2f} ms" if hop["measured"] else "given"
+    return f"{hop['address']} ({hop['kind'] or 'unknown link'}, {how})"

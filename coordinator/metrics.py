@@ -15,6 +15,16 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
+class HopStatus:
+    """The link a node streams to its successor over (issue 7)."""
+
+    address: str  # the successor's host:port
+    kind: str  # thunderbolt, ethernet, wifi, loopback, other
+    rtt_ms: float  # measured round trip; 0 when the address was given, not measured
+    measured: bool
+
+
+@dataclass(frozen=True, slots=True)
 class NodeStatus:
     """One pipeline stage as last heard from. Layer range is half-open: [start, end)."""
 
@@ -31,6 +41,7 @@ class NodeStatus:
     step_latency_ms: float
     device: str
     weights_fraction: float | None = None  # a weights transfer to the node in progress
+    hop: HopStatus | None = None  # to the successor; None on the tail
     # What `cluster bench` reads: the node's cumulative counters, the round trips of the
     # coordinator's heartbeat to it and of its own pings to its successor, its machine.
     steps_total: int = 0

@@ -28,7 +28,7 @@ from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
-from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
 from coordinator.replay import ReplayingEngine
 from coordinator.weights_host import WeightsHost
@@ -101,12 +101,18 @@ class Coordinator:
         serve_weights: bool = True,
         weights_port: int = 0,
         prefix_cache: bool = True,
+        pinned_addresses: frozenset[str] = frozenset(),
+        adopt_shards: bool = False,
         admission: AdmissionController | None = None,
         replay_wait_s: float = REPLAY_WAIT_S,
     ):
         self.model_dir = model_dir
         self.admission = admission
         self.replay_wait_s = replay_wait_s
+        self.adopt_shards = adopt_shards  # keep shards that nodes already hold (no reload)
+        # Nodes whose address was given (a cluster file's `address`): their upstream streams
+        # to exactly it, without measuring the others.
+        self.pinned_addresses = pinned_addresses
         self.prefix_cache = prefix_cache
         self.tls = tls
         self.directory = directory
@@ -209,10 +215,13 @@ class Coordinator:
             ranges=ranges,
             node_model_dir=self.node_model_dir,
             tls=self.tls,
+            pinned_addresses=self.pinned_addresses,
+            adopt=self.adopt_shards,
             epoch=self.epoch,
             **(self.weights.load_args() if self.weights is not None else {}),
         )
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
+        self.epoch = pipeline.epoch  # an adopted pipeline keeps the epoch its nodes hold
         if self.generation is None:
             index = PrefixIndex() if self.prefix_cache else None
             self.generation = GenerationEngine(pipeline, prefix_index=index)
@@ -385,6 +394,9 @@ class Coordinator:
             step_latency_ms=info.step_latency_ms,
             device=info.device,
             weights_fraction=transfer_fraction(info),
+            hop=HopStatus(info.hop.address, info.hop.kind, info.hop.rtt_ms, info.hop.measured)
+            if info.HasField("hop")
+            else None,
             steps_total=info.steps_total,
             batches_total=info.batches_total,
             busy_seconds_total=info.busy_seconds_total,
@@ -440,6 +452,8 @@ async def run_coordinator(
     mtp_depth: MtpDepth = 1,
     weights_port: int = 0,
     prefix_cache: bool = True,
+    pinned_addresses: frozenset[str] = frozenset(),
+    adopt_shards: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible API and the dashboard until cancelled."""
     api_keys = api_keys or ApiKeys()
@@ -459,6 +473,8 @@ async def run_coordinator(
         tls=tls,
         weights_port=weights_port,
         prefix_cache=prefix_cache,
+        pinned_addresses=pinned_addresses,
+        adopt_shards=adopt_shards,
         admission=admission,
     )
     tokenizer = load_tokenizer(model_dir)

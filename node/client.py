@@ -318,6 +318,23 @@ class RemotePipeline:
                     future.set_exception(error)
 
 
+def holds_shard(info: pb.NodeInfo, request: pb.LoadShardRequest) -> bool:
+    """Whether the node already serves exactly what `request` would load (a restarted
+    driver adopts it instead of reloading its weights)."""
+    if not info.HasField("shard"):
+        return False
+    shard = info.shard
+    return (
+        (shard.model_id, shard.model_dir, shard.start, shard.end, shard.dtype)
+        == (request.model_id, request.model_dir, request.start, request.end, request.dtype)
+        and (shard.is_head, shard.is_tail) == (request.is_head, request.is_tail)
+        and (shard.next_node, shard.next_node_id) == (request.next_node, request.next_node_id)
+        and shard.next_node_pinned == (not request.next_node_links)
+        and not request.HasField("cache_budget_bytes")
+        and not request.HasField("prefix_budget_bytes")
+    )
+
+
 @dataclass
 class RemoteEngine:
     engine: GenerationEngine
@@ -340,9 +357,17 @@ async def load_pipeline(
     model_digest: str = "",
     weights_port: int = 0,
     prefix_budget_bytes: int | None = None,
+    pinned_addresses: frozenset[str] = frozenset(),
+    adopt: bool = False,
     epoch: int = 0,
 ) -> RemotePipeline:
     """Load the shards (evenly split unless `ranges`) and open the streams.
+
+    Each node but the tail gets its successor's addresses, times a round trip to each and
+    streams over the fastest, unless the successor's address is in `pinned_addresses`.
+    With `adopt`, when every node already holds exactly its shard, of one pipeline epoch (a
+    restarted driver), no LoadShard is sent and the pipeline runs in that epoch; requests a
+    previous driver left on the nodes are freed by their idle sweep.
 
     With `model_digest` and `weights_port` (the caller's Weights service), a node that lacks a
     verified copy of its shard's tensors fetches them from the caller first."""
@@ -357,7 +382,7 @@ async def load_pipeline(
         raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
     clients = [NodeClient(address, token, tls) for address in addresses]
     try:
-        await asyncio.gather(*(c.info() for c in clients))
+        infos = await asyncio.gather(*(c.info() for c in clients))
         requests = []
         for i, spec in enumerate(specs):
             request = pb.LoadShardRequest(
@@ -373,12 +398,23 @@ async def load_pipeline(
                 weights_port=weights_port,
                 epoch=epoch,
             )
+            if i + 1 < len(addresses):
+                request.next_node_id = infos[i + 1].node_id
+                if addresses[i + 1] not in pinned_addresses:
+                    request.next_node_links.extend(infos[i + 1].links)
             if cache_budget_bytes is not None:
                 request.cache_budget_bytes = cache_budget_bytes
             if prefix_budget_bytes is not None:
                 request.prefix_budget_bytes = prefix_budget_bytes
             requests.append(request)
-        await asyncio.gather(*(c.load_shard(r) for c, r in zip(clients, requests, strict=True)))
+        held_epochs = {info.epoch for info in infos}
+        if adopt and len(held_epochs) == 1 and all(map(holds_shard, infos, requests)):
+            # The whole pipeline is there, of one placement: serve it in that placement's
+            # epoch (a partial adoption would mix epochs, which the nodes refuse).
+            epoch = held_epochs.pop()
+            log.info("every node already holds its shard (epoch %d): adopted", epoch)
+        else:
+            await asyncio.gather(*(c.load_shard(r) for c, r in zip(clients, requests, strict=True)))
     except BaseException:
         for client in clients:
             await client.close()

@@ -33,6 +33,8 @@ from cluster.weights.store import WeightsStore, default_cache_dir
 from cluster.wire import grpc_server_options
 from node.auth import TLSConfig, TokenInterceptor
 from node.hardware import this_machine
+from node.hop import HopChoice, choose_hop
+from node.links import local_links
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
 from proto import cluster_pb2 as pb
@@ -107,6 +109,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.subscribers = Subscribers()
         self.stage: Stage | None = None
         self.shard_request: pb.LoadShardRequest | None = None
+        self.links = [link.to_proto() for link in local_links()]
+        self.hop: HopChoice | None = None  # the link to the successor
+        self.shard_loads = 0
         self.weights_bytes = 0
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()
@@ -161,16 +166,26 @@ class NodeService(pb_grpc.NodeServicer):
                 shard, cache_budget_bytes=budget, prefix_budget_bytes=prefix_budget
             )
             self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
+            self.hop = None
+            if request.next_node:
+                self.hop = await choose_hop(
+                    request.next_node,
+                    list(request.next_node_links),
+                    request.next_node_id,
+                    self.token,
+                    self.tls,
+                )
             self.stage = Stage(
                 runner,
                 self.worker,
                 self.subscribers,
-                next_node=request.next_node or None,
+                next_node=self.hop.address if self.hop else None,
                 token=self.token,
                 tls=self.tls,
                 epoch=request.epoch,
             )
             self.shard_request = request
+            self.shard_loads += 1
             mx.set_cache_limit(mlx_cache_limit(budget, self.weights_bytes))
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
@@ -238,6 +253,11 @@ class NodeService(pb_grpc.NodeServicer):
         dropped = await self.worker.run(stage.runner.snapshots.drop, ids)
         return pb.PrefixSnapshotDropReply(dropped=len(dropped))
 
+    async def LinkPing(
+        self, request: pb.LinkPingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LinkPingReply:
+        return pb.LinkPingReply(node_id=self.node_id, payload=request.payload)
+
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
     ) -> pb.RollbackReply:
@@ -275,6 +295,10 @@ class NodeService(pb_grpc.NodeServicer):
             cpu_count=hardware.cpu_count,
         )
         self.weights.fill_info(info)
+        info.links.extend(self.links)
+        info.shard_loads = self.shard_loads
+        if self.hop is not None and self.stage is not None:
+            info.hop.CopyFrom(self.hop.to_proto())
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
             info.shard.CopyFrom(
@@ -287,6 +311,8 @@ class NodeService(pb_grpc.NodeServicer):
                     is_tail=r.is_tail,
                     dtype=r.dtype,
                     next_node=r.next_node,
+                    next_node_pinned=not r.next_node_links,
+                    next_node_id=r.next_node_id,
                 )
             )
             info.epoch = r.epoch

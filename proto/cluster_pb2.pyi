@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardSpec(_message.Message):
-    __slots__ = ("model_id", "model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node")
+    __slots__ = ("model_id", "model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "next_node_pinned", "next_node_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class ShardSpec(_message.Message):
     IS_TAIL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NEXT_NODE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_dir: str
     start: int
@@ -38,10 +40,12 @@ class ShardSpec(_message.Message):
     is_tail: bool
     dtype: str
     next_node: str
-    def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ...) -> None: ...
+    next_node_pinned: bool
+    next_node_id: str
+    def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., next_node_pinned: _Optional[bool] = ..., next_node_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "links", "hop", "shard_loads", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +68,9 @@ class NodeInfo(_message.Message):
     PREFIX_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_RESUMES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_LOADS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +104,9 @@ class NodeInfo(_message.Message):
     prefix_snapshot_bytes: int
     prefix_budget_bytes: int
     prefix_resumes: int
+    links: _containers.RepeatedCompositeFieldContainer[NodeLink]
+    hop: HopLink
+    shard_loads: int
     busy_seconds_total: float
     batches_total: int
     next_hop_rtt_ms: float
@@ -108,10 +118,10 @@ class NodeInfo(_message.Message):
     mlx_cache_bytes: int
     mlx_peak_bytes: int
     mlx_cache_limit_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., hop: _Optional[_Union[HopLink, _Mapping]] = ..., shard_loads: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes", "epoch")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes", "next_node_links", "next_node_id", "epoch")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +135,8 @@ class LoadShardRequest(_message.Message):
     WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_LINKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
@@ -139,8 +151,10 @@ class LoadShardRequest(_message.Message):
     weights_port: int
     weights_address: str
     prefix_budget_bytes: int
+    next_node_links: _containers.RepeatedCompositeFieldContainer[NodeLink]
+    next_node_id: str
     epoch: int
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ..., next_node_links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., next_node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -381,3 +395,41 @@ class WeightsCachedModel(_message.Message):
     present_bytes: int
     last_used: float
     def __init__(self, digest: _Optional[str] = ..., name: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., model_bytes: _Optional[int] = ..., present_bytes: _Optional[int] = ..., last_used: _Optional[float] = ...) -> None: ...
+
+class NodeLink(_message.Message):
+    __slots__ = ("address", "interface", "kind")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    interface: str
+    kind: str
+    def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class HopLink(_message.Message):
+    __slots__ = ("address", "kind", "interface", "rtt_ms", "measured")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    kind: str
+    interface: str
+    rtt_ms: float
+    measured: bool
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., interface: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., measured: _Optional[bool] = ...) -> None: ...
+
+class LinkPingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class LinkPingReply(_message.Message):
+    __slots__ = ("node_id", "payload")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    payload: bytes
+    def __init__(self, node_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...

@@ -70,6 +70,11 @@ class NodeStub:
                 request_serializer=proto_dot_cluster__pb2.PrefixSnapshotDropRequest.SerializeToString,
                 response_deserializer=proto_dot_cluster__pb2.PrefixSnapshotDropReply.FromString,
                 _registered_method=True)
+        self.LinkPing = channel.unary_unary(
+                '/cluster.v1.Node/LinkPing',
+                request_serializer=proto_dot_cluster__pb2.LinkPingRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LinkPingReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -127,6 +132,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LinkPing(self, request, context):
+        """Links (issue 7): a round trip that the upstream node times to each address of its
+        successor, to stream over the fastest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +177,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.DropPrefixSnapshots,
                     request_deserializer=proto_dot_cluster__pb2.PrefixSnapshotDropRequest.FromString,
                     response_serializer=proto_dot_cluster__pb2.PrefixSnapshotDropReply.SerializeToString,
+            ),
+            'LinkPing': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkPing,
+                    request_deserializer=proto_dot_cluster__pb2.LinkPingRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LinkPingReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +374,33 @@ class Node:
             '/cluster.v1.Node/DropPrefixSnapshots',
             proto_dot_cluster__pb2.PrefixSnapshotDropRequest.SerializeToString,
             proto_dot_cluster__pb2.PrefixSnapshotDropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkPing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cluster.v1.Node/LinkPing',
+            proto_dot_cluster__pb2.LinkPingRequest.SerializeToString,
+            proto_dot_cluster__pb2.LinkPingReply.FromString,
             options,
             channel_credentials,
             insecure,

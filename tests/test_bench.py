@@ -67,12 +67,16 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         for request in scenario["requests"]:  # exact, from the server's own usage
             assert request["prompt_tokens"] == asked["prompt_tokens"]
             assert request["completion_tokens"] == 32
+            assert request["cached_tokens"] == 0  # no two prompts share a prefix: uncached
         metrics = scenario["metrics"]
         assert metrics["total_output_tokens"] == 32 * asked["requests"]
         assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
         assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
+    for row in run["cached_ttft"]:  # the follow-up turn starts from the conversation cache
+        assert row["cached_tokens"] == row["prompt_tokens"] and row["cached_ttft_ms"] > 0
+    assert [row["prompt_tokens"] for row in run["cached_ttft"]] == [64, 256]
     assert len(run["hardware"]) == 3
     assert all(h["chip"] and h["os"] and h["memory_total_bytes"] > 0 for h in run["hardware"])
     assert run["versions"]["commit"] and run["versions"]["mlx"]
@@ -81,22 +85,27 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
     for row, scenario in zip(rows, scenarios, strict=True):
         for key, value in scenario["metrics"].items():
             assert row[key] == ("" if value is None else str(value)), key
+        assert row["commit"] == run["versions"]["commit"] and row["mlx"] == run["versions"]["mlx"]
+        for node in run["hardware"]:
+            assert node["node_id"] in row["nodes"] and node["chip"] in row["nodes"]
 
 
 def test_url_run_gives_the_same_metric_set(
     coordinator: str, local_run: Path, tmp_path: Path
 ) -> None:
     done = _bench("--url", coordinator, "--prompt-tokens", "16", "--concurrency", "2",
-                  "--max-tokens", "8", "--mtp", "on", "--baseline", "none",
-                  "--out", str(tmp_path))  # fmt: skip
+                  "--rate", "8", "--requests", "4", "--max-tokens", "8", "--mtp", "on",
+                  "--baseline", "none", "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     remote = json.loads((tmp_path / "bench.json").read_text())
     local = json.loads((local_run / "bench.json").read_text())
-    (scenario,) = remote["scenarios"]
-    assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
-    assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
-    assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
-    assert "p16 c=2 sampled mtp" in done.stdout
+    closed, poisson = remote["scenarios"]
+    for scenario in (closed, poisson):
+        assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
+        assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
+        assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
+    assert poisson["settings"]["rate"] == 8.0 and poisson["settings"]["concurrency"] is None
+    assert "p16 c=2 sampled mtp" in done.stdout and "p16 rate=8/s sampled mtp" in done.stdout
 
 
 def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:
@@ -118,7 +127,7 @@ def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:
         (["--url", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
         (["--url", "http://127.0.0.1:1", "--prompt-tokens", "9000"], "context is 8192 tokens"),
         (["--local", "3", "--concurrency", "0"], "--concurrency values must be >= 1"),
-        (["--hosts", "hosts.txt"], "cluster up --hosts"),
+        (["--hosts", "no-such-cluster.toml"], "no such cluster file"),
         (["--local", "2", "--url", "http://x"], "exactly one of"),
     ],
 )

@@ -38,6 +38,7 @@ def test_generated_modules_import_from_the_package():
         "Release": (False, False),
         "Rollback": (False, False),
         "DropPrefixSnapshots": (False, False),
+        "LinkPing": (False, False),
     }
 
 

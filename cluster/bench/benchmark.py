@@ -7,8 +7,10 @@ the server's usage), then summarize (`metrics`) and break the time down per node
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,9 @@ from cluster.bench.workload import PromptSource, Scenario
 
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_MAX_TOKENS = 4
+COUNTERS_WAIT_S = 5.0  # a few heartbeats (1 s apart)
+COUNTERS_POLL_S = 0.1
+FOLLOW_UP_TOKENS = 16  # the new part of a conversation's next turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,26 +55,28 @@ async def run_benchmark(
     prompts: PromptSource,
     *,
     on_request_done: Callable[[], None] = lambda: None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Run every scenario of `plan` against the coordinator at `url`."""
-    probe = Client(url, model="")
+    probe = Client(url, model="", api_key=api_key)
     try:
         cluster = await probe.get_json("/api/cluster")
         served = await probe.get_json("/v1/models")
     finally:
         await probe.close()
     model_id = _served_model(served, plan.model_dir)
-    client = Client(url, model_id)
+    client = Client(url, model_id, api_key)
     try:
         warmup = Scenario(WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS, 1, True, True, concurrency=1)
         await _run_checked(client, warmup, [prompts.take(WARMUP_PROMPT_TOKENS)], plan.seed)
+        after = await counters_since(client, time.monotonic())
         results = []
         for scenario in plan.scenarios:
             batch = [prompts.take(scenario.prompt_tokens) for _ in range(scenario.requests)]
-            before = nodes.snapshot(await client.get_json("/api/cluster"))
+            before = after  # read after the nodes went idle: valid at the scenario's start
             records, wall = await _run_checked(client, scenario, batch, plan.seed, on_request_done)
-            after = nodes.snapshot(await client.get_json("/api/cluster"))
-            results.append(
+            after = await counters_since(client, time.monotonic())
+            results.append(  # TTFT here is uncached: no two prompts share a prefix
                 {
                     "name": scenario.name,
                     "settings": scenario.settings(),
@@ -78,6 +85,7 @@ async def run_benchmark(
                     "requests": [_request_row(r) for r in records],
                 }
             )
+        cached = await _cached_ttft(client, plan, prompts)
     finally:
         await client.close()
     return {
@@ -85,7 +93,58 @@ async def run_benchmark(
         "model": model_id,
         "hardware": nodes.hardware(cluster),
         "scenarios": results,
+        "cached_ttft": cached,
     }
+
+
+async def _cached_ttft(
+    client: Client, plan: BenchPlan, prompts: PromptSource
+) -> list[dict[str, Any]]:
+    """Per prompt length, TTFT of a prompt and of its follow-up turn: the same prompt plus
+    `FOLLOW_UP_TOKENS` more, whose prefix the server's conversation cache may hold.
+
+    The cached figure is None when the server reports no cached tokens (no conversation cache,
+    or it missed); `cached_tokens` says how much of the follow-up it did not prefill.
+    """
+    first = plan.scenarios[0]
+    rows = []
+    for length in sorted({s.prompt_tokens for s in plan.scenarios}):
+        scenario = Scenario(length, WARMUP_MAX_TOKENS, 1, first.sampled, first.mtp, concurrency=1)
+        if length + FOLLOW_UP_TOKENS + WARMUP_MAX_TOKENS > plan.max_context:
+            continue
+        turn = prompts.take(length + FOLLOW_UP_TOKENS)
+        (opening,), _ = await run_scenario(client, scenario, [turn[:length]], seed=plan.seed)
+        follow = replace(scenario, prompt_tokens=length + FOLLOW_UP_TOKENS)
+        (second,), _ = await run_scenario(client, follow, [turn], seed=plan.seed)
+        if not (opening.ok and second.ok):
+            raise BenchError(f"the cached-TTFT requests failed: {opening.error or second.error}")
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "follow_up_tokens": length + FOLLOW_UP_TOKENS,
+                "uncached_ttft_ms": opening.ttft * 1000,
+                "cached_ttft_ms": second.ttft * 1000 if second.cached_tokens else None,
+                "cached_tokens": second.cached_tokens,
+            }
+        )
+    return rows
+
+
+async def counters_since(client: Client, since: float) -> nodes.NodeSnapshot:
+    """The nodes' counters as read by a heartbeat after `since` (monotonic time).
+
+    The coordinator reads every node's counters once per heartbeat, so `/api/cluster` may
+    show counters a second old; waiting for a reading taken after the scenario ended (the
+    nodes idle since) makes the counters' difference cover exactly the scenario.
+    """
+    deadline = time.monotonic() + COUNTERS_WAIT_S
+    while True:
+        cluster = await client.get_json("/api/cluster")
+        read_at = time.monotonic()
+        placed = nodes.pipeline_nodes(cluster)
+        if all(read_at - n["last_heartbeat_s"] > since for n in placed) or read_at > deadline:
+            return nodes.snapshot(cluster)
+        await asyncio.sleep(COUNTERS_POLL_S)
 
 
 async def _run_checked(
@@ -133,6 +192,7 @@ def _request_row(record: RequestRecord) -> dict[str, Any]:
         "sent_s": record.sent,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
+        "cached_tokens": record.cached_tokens,
         "drafted": record.drafted,
         "accepted": record.accepted,
         "ttft_s": record.ttft,

@@ -20,7 +20,7 @@ import click
 from cluster.bench import baselines, report
 from cluster.bench.benchmark import BenchPlan, run_benchmark
 from cluster.bench.client import BenchError
-from cluster.bench.local_cluster import LocalCluster, LocalClusterError
+from cluster.bench.cluster_up import ClusterUp, ClusterUpError
 from cluster.bench.workload import (
     PromptSource,
     WorkloadError,
@@ -29,15 +29,14 @@ from cluster.bench.workload import (
     scenarios,
 )
 from cluster.config import ModelDirError, bundled_model_path, load_model_config
-
-HOSTS_MISSING = (
-    "--hosts needs `cluster up --hosts`, which is not in this version yet; start the cluster "
-    "on your hosts and use --url, or --local N on one machine"
-)
+from cluster.hosts.clusterfile import ClusterFileError, load_cluster_file
 
 
 @click.command("bench")
 @click.option("--url", default=None, help="A running coordinator, e.g. http://10.0.0.2:8000.")
+@click.option(
+    "--api-key", envvar="CLUSTER_API_KEY", default=None, help="The coordinator's API key."
+)
 @click.option("--local", "local", type=int, default=None, help="Start N local nodes + coordinator.")
 @click.option(
     "--hosts",
@@ -82,6 +81,7 @@ HOSTS_MISSING = (
 )
 def bench_command(
     url: str | None,
+    api_key: str | None,
     local: int | None,
     hosts: Path | None,
     model_dir: Path | None,
@@ -108,28 +108,32 @@ def bench_command(
     targets = [t for t in (url, local, hosts) if t is not None]
     if len(targets) != 1:
         raise click.UsageError("give exactly one of --url, --local N or --hosts FILE")
-    if hosts is not None:
-        raise click.ClickException(HOSTS_MISSING)
-    model_dir = model_dir or bundled_model_path()
     try:
+        if hosts is not None:
+            if model_dir is not None:
+                raise click.UsageError("with --hosts, the model is the cluster file's `model`")
+            cluster_file = load_cluster_file(hosts)
+            model_dir = cluster_file.model
+        model_dir = model_dir or bundled_model_path()
         plan = _plan(
             model_dir, prompt_tokens, max_tokens, concurrency, rate, requests, sampling, mtp_modes,
             seed,
         )  # fmt: skip
         kinds = _baseline_kinds(baseline_kinds)
         prompts = PromptSource(_tokenizer(model_dir))
-        with _cluster_url(url, local, model_dir) as target:
-            result = _run(target, plan, prompts)
+        with _cluster_url(url, local, hosts, model_dir) as target:
+            result = _run(target, plan, prompts, api_key)
         result["baselines"] = _baselines(kinds, plan, prompts, local, model_dir)
-    except (BenchError, WorkloadError, LocalClusterError, ModelDirError) as error:
+    except (BenchError, WorkloadError, ClusterUpError, ModelDirError, ClusterFileError) as error:
         raise click.ClickException(str(error)) from None
     _attach_ratios(result)
     result = {
         "benchmark": "cluster bench",
         "command": "cluster " + shlex.join(sys.argv[1:]),
         "settings": {
-            "target": "url" if url else "local",
+            "target": "url" if url else "local" if local else "hosts",
             "local_nodes": local,
+            "hosts_file": str(hosts) if hosts else None,
             "model_dir": str(model_dir),
             "seed": seed,
             "baselines": kinds,
@@ -196,23 +200,34 @@ def _tokenizer(model_dir: Path) -> Any:
 
 
 @contextlib.contextmanager
-def _cluster_url(url: str | None, local: int | None, model_dir: Path) -> Iterator[str]:
+def _cluster_url(
+    url: str | None, local: int | None, hosts: Path | None, model_dir: Path
+) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    click.echo(f"starting {local} local node(s) and a coordinator ...", err=True)
-    with LocalCluster(local or 0, model_dir) as cluster:
+    if hosts is not None:
+        click.echo(f"starting the cluster of {hosts} (`cluster up --hosts`) ...", err=True)
+        cluster = ClusterUp.hosts(hosts, load_cluster_file(hosts).host)
+    else:
+        click.echo(f"starting {local} local node(s) and a coordinator ...", err=True)
+        cluster = ClusterUp.local(local or 0, model_dir)
+    with cluster:
         yield cluster.url
 
 
-def _run(url: str, plan: BenchPlan, prompts: PromptSource) -> dict[str, Any]:
+def _run(url: str, plan: BenchPlan, prompts: PromptSource, api_key: str | None) -> dict[str, Any]:
     with click.progressbar(
         length=plan.total_requests,
         label=f"{len(plan.scenarios)} scenarios",
         file=sys.stderr,
         show_pos=True,
     ) as bar:
-        return asyncio.run(run_benchmark(url, plan, prompts, on_request_done=lambda: bar.update(1)))
+        return asyncio.run(
+            run_benchmark(
+                url, plan, prompts, on_request_done=lambda: bar.update(1), api_key=api_key
+            )
+        )
 
 
 def _baselines(

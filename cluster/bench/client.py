@@ -35,6 +35,7 @@ class RequestRecord:
 
     sent: float
     prompt_tokens: int = 0  # the server's usage
+    cached_tokens: int = 0  # of the prompt, taken from the server's conversation cache
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -51,12 +52,14 @@ class RequestRecord:
 class Client:
     """One aiohttp session against a coordinator's OpenAI API."""
 
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.model = model
+        self.api_key = api_key
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, sock_connect=10)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers
         )
 
     async def close(self) -> None:
@@ -65,6 +68,11 @@ class Client:
     async def get_json(self, path: str) -> dict[str, Any]:
         try:
             async with self._session.get(f"{self.url}{path}") as response:
+                if response.status in (401, 403):
+                    raise BenchError(
+                        f"{self.url}{path} wants an API key (--api-key or CLUSTER_API_KEY): "
+                        f"HTTP {response.status}"
+                    )
                 return await response.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, json.JSONDecodeError) as error:
             reason = str(error) or type(error).__name__
@@ -122,6 +130,8 @@ class Client:
                 last = now
             if usage := event.get("usage"):
                 record.prompt_tokens = usage["prompt_tokens"]
+                cached = usage.get("prompt_tokens_details") or {}
+                record.cached_tokens = cached.get("cached_tokens") or 0
                 record.completion_tokens = usage["completion_tokens"]
                 details = usage.get("completion_tokens_details") or {}
                 record.accepted = details.get("accepted_prediction_tokens", 0)

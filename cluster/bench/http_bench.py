@@ -1,9 +1,12 @@
-"""Aggregate tokens/s at 1, 2, 4 and 8 concurrent streaming requests (issue 4).
+"""What HTTP and process boundaries cost at 1, 2, 4 and 8 concurrent requests (issue 4).
 
     python -m cluster.bench.http_bench [--json OUT] [--rounds 3] [--max-tokens 64]
 
-Three ways of serving the same requests, each measured at every concurrency level, the order
-of (way, level) shuffled in each round:
+A developer's comparison: the figures a user wants of their cluster (tokens/s, TTFT, ITL,
+per-node load against concurrency) are `cluster bench`'s; this script reuses its cluster
+(`cluster.bench.cluster_up`), its HTTP client and its per-node breakdown for the http way, and
+sets that way beside two that no user runs. Three ways of serving the same requests, each
+measured at every concurrency level, the order of (way, level) shuffled in each round:
 
   http     `cluster up --local 3`: streaming `/v1/completions` (SSE) through the coordinator
            and its 3 local nodes, the way a client sees it
@@ -20,11 +23,9 @@ trial's completion tokens over its wall time; ratios are to 1 request of the sam
 same round (medians over rounds). Time to first token is the median over every request of a
 level (HTTP: the first SSE event, which the API sends once the first token is decoded).
 
-Where the time goes: around each http trial the bench reads every node's Info
-(`step_latency_ms`: the mean compute time of its last 100 step batches; `steps_total`: step
-messages received). A node's batches are about the messages its successor received (the
-tail's: at most its own messages), so its busy share of the trial is about
-batches x step latency / wall; the busiest node sets the pace. Then, interleaved call by
+Where the time goes: around each http trial the nodes' own counters (`cluster.bench.nodes`:
+step batches and their compute time, read through the coordinator) give each node's step time
+and busy share of the trial; the busiest node sets the pace. Then, interleaved call by
 call, one decode step over 8 requests against 1: mlx-lm's forward (the hardware's own
 batching ceiling) and the engine's whole-model shard with MTP and without.
 """
@@ -34,41 +35,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
 import random
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import aiohttp
 import mlx.core as mx
 
+from cluster.bench import nodes
+from cluster.bench.benchmark import counters_since
+from cluster.bench.client import Client
+from cluster.bench.cluster_up import ClusterUp
 from cluster.bench.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
     LocalNodes,
     default_model,
-    free_port,
     load_tokenizer,
     machine,
     median,
     paired_ratios,
     spread,
-    stop,
     write_json,
 )
+from cluster.bench.workload import Scenario
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
 from coordinator.api import stop_token_ids
-from node.client import NodeClient, open_remote_engine
+from node.client import open_remote_engine
 
 WAYS = ("http", "direct", "local")
 TEXT_PROMPTS = [p for p in CODE_PROMPTS if not p.startswith("CHAT:")]
@@ -89,93 +86,21 @@ class Trial:
         return self.tokens / self.wall_s
 
 
-# ---- the cluster of `cluster up --local 3` ----
-
-
-class ClusterUp:
-    """`cluster up --local N` in a child process; stopped with Ctrl-C's signal on exit."""
-
-    def __init__(self, count: int, model_dir: Path, token: str):
-        self.count, self.model_dir, self.token = count, model_dir, token
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.node_ports: list[int] = []
-
-    def __enter__(self) -> ClusterUp:
-        env = {**os.environ, "CLUSTER_TOKEN": self.token}
-        command = [
-            sys.executable,
-            "-m",
-            "cluster",
-            "up",
-            "--local",
-            str(self.count),
-            "--port",
-            str(self.port),
-            "--model",
-            str(self.model_dir),
-        ]
-        self.proc = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        ready = threading.Event()
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                if match := re.search(r"local node\(s\) on ports ([\d, ]+)", line):
-                    self.node_ports = [int(p) for p in match.group(1).split(",")]
-                if "OpenAI endpoint" in line:
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(120):
-            self.__exit__()
-            raise RuntimeError("`cluster up` did not come up within 120 s")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # Ctrl-C: it stops its own nodes
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                stop([self.proc])
-
-
 # ---- one trial of each way ----
 
 
+HTTP_SCENARIO = Scenario(1, 1, 1, sampled=True, mtp=True, concurrency=1)  # max_tokens: per run
+
+
 async def http_request(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, seed: int
+    client: Client, ids: tuple[int, ...], max_tokens: int, seed: int
 ) -> tuple[int, float]:
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": SAMPLED_TEMPERATURE,
-        "seed": seed,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    first, tokens = None, 0
-    async with session.post(f"{url}/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            if first is None:
-                first = time.perf_counter() - start
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"the stream failed: {event['error']}")
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    return tokens, first if first is not None else float("nan")
+    """`cluster bench`'s streaming request (token ids, stop tokens ignored, usage counts)."""
+    scenario = replace(HTTP_SCENARIO, prompt_tokens=len(ids), max_tokens=max_tokens)
+    record = await client.complete(ids, scenario, seed, time.perf_counter())
+    if not record.ok:
+        raise RuntimeError(record.error)
+    return record.completion_tokens, record.ttft
 
 
 async def engine_request(
@@ -195,18 +120,9 @@ async def engine_request(
     return tokens, first
 
 
-async def node_infos(clients: list[NodeClient]) -> list[dict]:
-    infos = await asyncio.gather(*(c.info() for c in clients))
-    return [
-        {"node": i.node_id, "steps_total": i.steps_total, "step_latency_ms": i.step_latency_ms}
-        for i in infos
-    ]
-
-
 class Runner:
-    def __init__(self, args, tokenizer, session, cluster, engines, clients):
-        self.args, self.session, self.cluster = args, session, cluster
-        self.engines, self.clients = engines, clients
+    def __init__(self, args, tokenizer, client: Client, engines):
+        self.args, self.client, self.engines = args, client, engines
         self.prompts = TEXT_PROMPTS
         self.ids = [tuple(tokenizer.encode(p)) for p in self.prompts]
         self.stops = stop_token_ids(tokenizer)
@@ -242,64 +158,41 @@ class Runner:
             seed = self.seeds[i]
             p = i % len(self.prompts)
             if way == "http":
-                return http_request(
-                    self.session, self.cluster.url, self.prompts[p], self.args.max_tokens, seed
-                )
+                return http_request(self.client, self.ids[p], self.args.max_tokens, seed)
             return engine_request(
                 self.engines[way], self.ids[p], self.args.max_tokens, seed, self.stops
             )
 
-        before = await node_infos(self.clients) if way == "http" else []
+        before = await counters_since(self.client, time.monotonic()) if way == "http" else {}
         start = time.perf_counter()
         done = await asyncio.gather(*(job(i) for i in range(level)))
         wall = time.perf_counter() - start
-        nodes = []
-        if way == "http":
-            after = await node_infos(self.clients)
-            nodes = [
-                {
-                    "node": a["node"],
-                    "steps": a["steps_total"] - b["steps_total"],
-                    "step_latency_ms": a["step_latency_ms"],
-                }
-                for a, b in zip(after, before, strict=True)
-            ]
-        return Trial(way, level, rnd, wall, sum(t for t, _ in done), [f for _, f in done], nodes)
+        load = []
+        if way == "http":  # `cluster bench`'s per-node breakdown
+            load = nodes.breakdown(
+                before, await counters_since(self.client, time.monotonic()), wall
+            )
+        return Trial(way, level, rnd, wall, sum(t for t, _ in done), [f for _, f in done], load)
 
 
 async def measure(args, model_dir: Path) -> tuple[list[Trial], list[int], list[dict]]:
     tokenizer = load_tokenizer(model_dir)
-    token = os.urandom(16).hex()
     async with contextlib.AsyncExitStack() as stack:
-        cluster = stack.enter_context(ClusterUp(3, model_dir, token))
-        nodes = stack.enter_context(LocalNodes(3))
+        cluster = stack.enter_context(ClusterUp.local(3, model_dir))
+        local_nodes = stack.enter_context(LocalNodes(3))
         local = await open_local_engine(model_dir, mtp=True)
         stack.callback(local.close)
-        timeout = aiohttp.ClientTimeout(total=300)
-        connector = aiohttp.TCPConnector(limit=0)
-        session = await stack.enter_async_context(
-            aiohttp.ClientSession(timeout=timeout, connector=connector)
-        )
-        await wait_healthy(session, cluster.url)
-        placed = await placement(session, cluster.url)
+        client = Client(cluster.url, model_dir.name)
+        stack.push_async_callback(client.close)
+        placed = nodes.pipeline_nodes(await client.get_json("/api/cluster"))
         ranges = [(n["start"], n["end"]) for n in placed]
         print(f"  placement: {ranges}", flush=True)
         remote = await open_remote_engine(
-            model_dir, nodes.addresses, token=nodes.token, ranges=ranges
+            model_dir, local_nodes.addresses, token=local_nodes.token, ranges=ranges
         )
         stack.push_async_callback(remote.close)
-        # the pipeline's nodes, head first
-        clients = [NodeClient(n["address"], token) for n in placed]
-        for client in clients:
-            stack.push_async_callback(client.close)
-        runner = Runner(
-            args,
-            tokenizer,
-            session,
-            cluster,
-            {"direct": remote.engine, "local": local.engine},
-            clients,
-        )
+        engines = {"direct": remote.engine, "local": local.engine}
+        runner = Runner(args, tokenizer, client, engines)
         await runner.pick_seeds(max(args.levels))
         for way in WAYS:  # warm up every path
             await runner.trial(way, 2, -1)
@@ -312,26 +205,6 @@ async def measure(args, model_dir: Path) -> tuple[list[Trial], list[int], list[d
                 trials.append(await runner.trial(way, level, rnd))
             print(f"  round {rnd} done", flush=True)
         return trials, runner.seeds, placed
-
-
-async def placement(session: aiohttp.ClientSession, url: str) -> list[dict]:
-    """The coordinator's pipeline, head first (from /api/cluster)."""
-    async with session.get(f"{url}/api/cluster") as response:
-        nodes = (await response.json())["nodes"]
-    placed = [n for n in nodes if n["end"] > n["start"]]
-    return sorted(placed, key=lambda n: n["start"])
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(aiohttp.ClientError):
-            async with session.get(f"{url}/health") as response:
-                if response.status == 200:
-                    return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}/health is not ok after {timeout_s} s")
-        await asyncio.sleep(0.5)
 
 
 # ---- batching ceilings: one decode step over 8 requests against 1 ----
@@ -424,19 +297,18 @@ def batch_costs(model_dir: Path, batch: int, iters: int) -> dict:
 
 
 def node_load(trials: list[Trial]) -> dict:
-    """Per node (head first): step latency, messages in, and busy share of the trial."""
+    """Per node (head first), medians over trials: step ms, messages in, busy share."""
     per_node: dict[str, dict[str, list[float]]] = {}
     for t in trials:
-        for k, n in enumerate(t.nodes):
-            batches = t.nodes[k + 1]["steps"] if k + 1 < len(t.nodes) else n["steps"]
-            row = per_node.setdefault(n["node"], {"lat": [], "steps": [], "busy": []})
-            row["lat"].append(n["step_latency_ms"])
-            row["steps"].append(n["steps"])
-            row["busy"].append(batches * n["step_latency_ms"] / 1e3 / t.wall_s)
+        for n in t.nodes:
+            row = per_node.setdefault(n["node_id"], {"step": [], "messages": [], "busy": []})
+            row["step"].append(n["step_ms"] or 0.0)
+            row["messages"].append(n["messages"])
+            row["busy"].append(n["busy_share"] or 0.0)
     return {
         node: {
-            "step_latency_ms": median(v["lat"]),
-            "steps_per_trial": median(v["steps"]),
+            "step_ms": median(v["step"]),
+            "messages_per_trial": median(v["messages"]),
             "busy": median(v["busy"]),
         }
         for node, v in per_node.items()
@@ -499,12 +371,12 @@ def print_report(summary: dict, batch_cost: dict, placed: list[dict], args) -> N
         + ", ".join(f"{c}: {r:.2f}" for c, r in summary["http_over_direct"].items())
     )
     print(
-        "http nodes, head first: step latency ms (mean of its last 100 batches) / "
+        "http nodes, head first: step ms (compute time / batches) / "
         "step messages in / busy share of the trial"
     )
     for level, row in summary["http"].items():
         cells = [
-            f"{n}: {v['step_latency_ms']:.1f} / {v['steps_per_trial']:.0f} / {v['busy']:.0%}"
+            f"{n}: {v['step_ms']:.1f} / {v['messages_per_trial']:.0f} / {v['busy']:.0%}"
             for n, v in row["nodes"].items()
         ]
         print(f"  {level} concurrent: " + "   ".join(cells))

@@ -33,13 +33,14 @@ def draw(report: dict[str, Any], out_dir: Path) -> list[Path]:
         raise PlotsUnavailable("plots need matplotlib: pip install 'qwen-cluster[bench]'") from None
     closed = [s for s in report["scenarios"] if s["settings"]["concurrency"] is not None]
     title = f"{report.get('model', '')} on {len(report.get('hardware', []))} node(s)"
+    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, drawer in _PLOTS.items():
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
         if drawer(ax, closed):
             ax.set_title(title, fontsize=10)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
             fig.tight_layout()
             path = out_dir / f"{name}.png"
             fig.savefig(path)
@@ -87,6 +88,7 @@ def _throughput(ax, scenarios: list[Scenario]) -> bool:
 
     drawn = _plot_metric(ax, scenarios, line, "concurrency", "output_throughput", "-o")
     _plot_metric(ax, scenarios, line, "concurrency", "per_stream_throughput", "--x", " (/stream)")
+    _ticks(ax, scenarios, "concurrency")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("tokens/s (solid: aggregate, dashed: per stream)")
     return drawn
@@ -98,6 +100,7 @@ def _itl(ax, scenarios: list[Scenario]) -> bool:
 
     drawn = _plot_metric(ax, scenarios, line, "concurrency", "median_itl_ms", "-o", " p50")
     _plot_metric(ax, scenarios, line, "concurrency", "p99_itl_ms", ":^", " p99")
+    _ticks(ax, scenarios, "concurrency")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("inter-token latency (ms)")
     return drawn
@@ -108,9 +111,19 @@ def _ttft(ax, scenarios: list[Scenario]) -> bool:
         return _label(s, "concurrency")
 
     drawn = _plot_metric(ax, scenarios, line, "prompt_tokens", "median_ttft_ms")
+    _ticks(ax, scenarios, "prompt_tokens")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("median time to first token (ms)")
     return drawn
+
+
+def _ticks(ax, scenarios: list[Scenario], key: str) -> None:
+    """Ticks at the measured settings, on a log-2 axis (levels and lengths double)."""
+    values = sorted({s["settings"][key] for s in scenarios})
+    if len(values) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
 
 
 def _mtp(ax, scenarios: list[Scenario]) -> bool:

@@ -54,6 +54,7 @@ def run_ring(
     seed_base: int = 0,
     launcher: str = "mlx.launch",
     timeout_s: float = LAUNCH_TIMEOUT_S,
+    prompt_runs: list[tuple[list[int], bool]] | None = None,
 ) -> dict:
     """Run the ring and return rank 0's report; raises RuntimeError with the ranks' output
     when it does not run.
@@ -73,6 +74,10 @@ def run_ring(
             "--prompts", str(prompts), "--temperature", str(temperature),
             "--seed-base", str(seed_base),
         ]  # fmt: skip
+        if prompt_runs is not None:  # `cluster bench`'s prompts: (ids, sampled) per run
+            runs_file = Path(tmp) / "runs.json"
+            runs_file.write_text(json.dumps(prompt_runs))
+            worker += ["--prompt-runs", str(runs_file)]
         port = free_port()
         if launcher == "mlx.launch":
             command = [launcher_path(), "--backend", "ring", "-n", str(ranks), "--hosts",
@@ -149,7 +154,11 @@ def worker(args) -> None:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
 
     decode(prompts[0], 16, 0)  # warm up
-    tps = [decode(ids, args.max_tokens, args.seed_base + p) for p, ids in enumerate(prompts)]
+    if args.prompt_runs:
+        runs = bench_runs(model, tokenizer, json.loads(Path(args.prompt_runs).read_text()), args)
+        tps = [run["decode_tps"] for run in runs]
+    else:
+        tps = [decode(ids, args.max_tokens, args.seed_base + p) for p, ids in enumerate(prompts)]
     # A last collective: neither rank exits while the other still runs the step that
     # mlx-lm's generator computes ahead (exiting early breaks the peer's sockets).
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
@@ -165,9 +174,34 @@ def worker(args) -> None:
                     "temperature": args.temperature,
                     "decode_tps": tps,
                     "median_tps": median(tps),
+                    "runs": runs if args.prompt_runs else None,
                 }
             )
         )
+
+
+def bench_runs(model, tokenizer, prompt_runs: list, args) -> list[dict]:
+    """`cluster bench`'s (ids, sampled) runs: TTFT and decode tokens/s of each, timed as
+    `cluster.bench.baselines.timing` does for mlx-lm in one process."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from cluster.bench.baselines import timing
+
+    out = []
+    for ids, sampled in prompt_runs:
+        mx.random.seed(args.seed_base)
+        sampler = make_sampler(args.temperature if sampled else 0.0)
+        started = time.perf_counter()
+        stamps = [
+            time.perf_counter()
+            for _ in stream_generate(
+                model, tokenizer, list(ids), max_tokens=args.max_tokens, sampler=sampler
+            )
+        ]
+        out.append(timing(len(ids), started, stamps))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=("mlx.launch", "direct"), default="mlx.launch")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-runs", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.model = args.model or default_model()
     if args.worker:

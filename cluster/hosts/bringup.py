@@ -34,6 +34,7 @@ class HostProbe:
     version: str
     platform: str
     ssh_address: str
+    address: str  # the cluster file's address, an interface resolved on the host
     model_present: bool
     service: str
 
@@ -82,7 +83,10 @@ def _remote(ssh: SSH, node: HostNode, *args: str, stdin: str = "", timeout: floa
 
 
 def probe(ssh: SSH, cluster: ClusterFile, node: HostNode) -> HostProbe:
-    answer = _remote(ssh, node, "probe", "--model", str(cluster.model), "--service", node.service)
+    args = ["probe", "--model", str(cluster.model), "--service", node.service]
+    if node.address is not None:
+        args += ["--address", node.address]
+    answer = _remote(ssh, node, *args)
     version = str(answer.get("version", "unknown"))
     if version != __version__:
         raise BringUpError(
@@ -95,6 +99,7 @@ def probe(ssh: SSH, cluster: ClusterFile, node: HostNode) -> HostProbe:
             version,
             answer["platform"],
             answer["ssh_address"],
+            answer.get("address", ""),
             answer["model_present"],
             answer["service"],
         )
@@ -169,7 +174,7 @@ def bring_up(
     up = [
         UpNode(
             p.node,
-            dial_address(p.node.address or p.ssh_address, p.node.port),
+            dial_address(p.address or p.ssh_address, p.node.port),
             r["state"],
             r["service"],
         )

@@ -41,6 +41,8 @@ def up_hosts(hosts: Path, layers: str | None, port: int | None) -> None:
                 browse=False,
                 layers=parse_layers(layers) if layers else None,
                 use_all=True,
+                pinned_addresses=frozenset(n.address for n in nodes if n.node.address),
+                adopt_shards=True,  # nodes that outlived a previous `up` keep their shards
             )
         )
     except KeyboardInterrupt:

@@ -38,9 +38,14 @@ def hosts_group() -> None:
 @hosts_group.command("probe")
 @click.option("--model", "model_dir", required=True, help="The coordinator's model path.")
 @click.option("--service", "kind", default="auto")
-def probe_command(model_dir: str, kind: str) -> None:
+@click.option("--address", default=None, help="The cluster file's address: an IP or interface.")
+def probe_command(model_dir: str, kind: str, address: str | None) -> None:
     """Version, platform, the address ssh came in on, and whether the model is here."""
+    from node.links import interface_address
+
     connection = os.environ.get("SSH_CONNECTION", "").split()
+    if address is not None:  # an interface name becomes its address here
+        address = interface_address(address) or address
     try:
         resolved, kind_error = resolve_kind(kind), ""
     except ServiceError as error:
@@ -50,6 +55,7 @@ def probe_command(model_dir: str, kind: str) -> None:
         platform=platform.system(),
         hostname=socket.gethostname(),
         ssh_address=connection[2] if len(connection) >= 3 else "",
+        address=address or "",
         model_present=(Path(model_dir) / "config.json").is_file(),
         service=resolved,
         service_error=kind_error,

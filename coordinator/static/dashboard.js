@@ -70,6 +70,10 @@ function nodeCard(node, index) {
   if (node.weights_fraction !== null && node.weights_fraction !== undefined) {
     rows.push(["Weights", el("dd", "mono", `fetching ${(node.weights_fraction * 100).toFixed(0)}%`)]);
   }
+  if (node.hop) {
+    const how = node.hop.measured ? `${node.hop.rtt_ms.toFixed(2)} ms` : "given";
+    rows.push(["Next hop", el("dd", "mono", `${node.hop.address} · ${node.hop.kind || "?"} · ${how}`)]);
+  }
   for (const [label, value] of rows) kv.append(el("dt", "", label), value);
 
   card.append(head, roles, kv, meter("Memory", node.memory_used_bytes, node.memory_total_bytes, stageColor(index)));

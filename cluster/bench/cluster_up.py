@@ -1,8 +1,11 @@
-"""A cluster the bench starts for itself: `cluster up --local N` in a child process.
+"""A cluster the bench starts for itself: `cluster up` in a child process.
 
-The child runs N node daemons and the coordinator, as a user's `cluster up` would, in its
-own process group; the bench talks to it over HTTP only, exactly as with `--url`. On exit it
-gets Ctrl-C's signal (it stops its own nodes), then SIGKILL if it does not go.
+`--local N`: the child runs N node daemons and the coordinator on this machine. `--hosts
+FILE`: it brings the node services up on the cluster file's hosts over ssh and runs the
+coordinator here (the services stay up afterwards, as with `cluster up --hosts`; `cluster down
+--hosts FILE` removes them). Either way the bench talks to the child over HTTP only, exactly as
+with `--url`. On exit the child gets Ctrl-C's signal (a local one stops its own nodes), then
+SIGKILL if it does not go.
 """
 
 from __future__ import annotations
@@ -22,28 +25,35 @@ from pathlib import Path
 START_TIMEOUT_S = 180.0
 
 
-class LocalClusterError(RuntimeError):
-    """The local cluster did not come up."""
+class ClusterUpError(RuntimeError):
+    """The cluster did not come up."""
 
 
-class LocalCluster:
-    """`with LocalCluster(3, model_dir) as cluster:` ... `cluster.url` ..."""
+class ClusterUp:
+    """`with ClusterUp.local(3, model_dir) as cluster:` ... `cluster.url` ..."""
 
-    def __init__(self, count: int, model_dir: Path) -> None:
-        if count < 1:
-            raise LocalClusterError(f"--local needs at least one node, got {count}")
-        self.count = count
-        self.model_dir = model_dir
+    def __init__(self, up_args: list[str], host: str = "127.0.0.1") -> None:
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.up_args = [*up_args, "--port", str(self.port)]
+        self.url = f"http://{_reachable(host)}:{self.port}"
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in __exit__
             prefix="cluster-bench-", suffix=".log", delete=False
         )
         self._proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> LocalCluster:
-        command = [sys.executable, "-m", "cluster", "up", "--local", str(self.count),
-                   "--port", str(self.port), "--model", str(self.model_dir)]  # fmt: skip
+    @classmethod
+    def local(cls, count: int, model_dir: Path) -> ClusterUp:
+        if count < 1:
+            raise ClusterUpError(f"--local needs at least one node, got {count}")
+        return cls(["--local", str(count), "--model", str(model_dir)])
+
+    @classmethod
+    def hosts(cls, cluster_file: Path, host: str) -> ClusterUp:
+        """The coordinator listens on the cluster file's `host`."""
+        return cls(["--hosts", str(cluster_file)], host)
+
+    def __enter__(self) -> ClusterUp:
+        command = [sys.executable, "-m", "cluster", "up", *self.up_args]
         token = os.environ.get("CLUSTER_TOKEN") or os.urandom(16).hex()
         env = {**os.environ, "CLUSTER_TOKEN": token}
         self._proc = subprocess.Popen(
@@ -74,9 +84,9 @@ class LocalCluster:
         while True:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise LocalClusterError(
-                    f"`cluster up --local {self.count}` exited with {self._proc.returncode}:\n"
-                    + _tail(Path(self._log.name))
+                raise ClusterUpError(
+                    f"`cluster up {' '.join(self.up_args)}` exited with "
+                    f"{self._proc.returncode}:\n" + _tail(Path(self._log.name))
                 )
             with (
                 contextlib.suppress(urllib.error.URLError, OSError),
@@ -85,11 +95,20 @@ class LocalCluster:
                 if response.status == 200:
                     return
             if time.monotonic() > deadline:
-                raise LocalClusterError(
-                    f"the local cluster was not healthy after {START_TIMEOUT_S:.0f} s:\n"
+                raise ClusterUpError(
+                    f"the cluster was not healthy after {START_TIMEOUT_S:.0f} s:\n"
                     + _tail(Path(self._log.name))
                 )
             time.sleep(0.2)
+
+
+def _reachable(host: str) -> str:
+    """An address to reach a server listening on `host` from this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def _free_port() -> int:
