@@ -85,22 +85,27 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
     for row, scenario in zip(rows, scenarios, strict=True):
         for key, value in scenario["metrics"].items():
             assert row[key] == ("" if value is None else str(value)), key
+        assert row["commit"] == run["versions"]["commit"] and row["mlx"] == run["versions"]["mlx"]
+        for node in run["hardware"]:
+            assert node["node_id"] in row["nodes"] and node["chip"] in row["nodes"]
 
 
 def test_url_run_gives_the_same_metric_set(
     coordinator: str, local_run: Path, tmp_path: Path
 ) -> None:
     done = _bench("--url", coordinator, "--prompt-tokens", "16", "--concurrency", "2",
-                  "--max-tokens", "8", "--mtp", "on", "--baseline", "none",
-                  "--out", str(tmp_path))  # fmt: skip
+                  "--rate", "8", "--requests", "4", "--max-tokens", "8", "--mtp", "on",
+                  "--baseline", "none", "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     remote = json.loads((tmp_path / "bench.json").read_text())
     local = json.loads((local_run / "bench.json").read_text())
-    (scenario,) = remote["scenarios"]
-    assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
-    assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
-    assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
-    assert "p16 c=2 sampled mtp" in done.stdout
+    closed, poisson = remote["scenarios"]
+    for scenario in (closed, poisson):
+        assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
+        assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
+        assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
+    assert poisson["settings"]["rate"] == 8.0 and poisson["settings"]["concurrency"] is None
+    assert "p16 c=2 sampled mtp" in done.stdout and "p16 rate=8/s sampled mtp" in done.stdout
 
 
 def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:

@@ -3,15 +3,19 @@ workloads, baselines' ratios, the report's CSV and --compare; and the API fields
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import gzip
+import itertools
 import json
+import random
+import time
 from pathlib import Path
 
 import pytest
 
 from cluster.bench import baselines, metrics, nodes, report
-from cluster.bench.client import RequestRecord
+from cluster.bench.client import RequestRecord, run_scenario
 from cluster.bench.workload import (
     CORPUS_PATH,
     PROMPT_STRIDE,
@@ -197,3 +201,36 @@ def test_api_ignores_stop_tokens_and_switches_mtp_per_request() -> None:
         "accepted_prediction_tokens": 1,
         "rejected_prediction_tokens": 1,
     }
+
+
+class _FakeClient:
+    """Stands in for `Client`: each request takes `busy_s`; records when each was sent."""
+
+    def __init__(self, busy_s: float) -> None:
+        self.busy_s, self.in_flight, self.most = busy_s, 0, 0
+
+    async def complete(self, prompt, scenario, seed, start) -> RequestRecord:
+        record = RequestRecord(sent=time.perf_counter() - start, completion_tokens=seed)
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(self.busy_s)
+        self.in_flight -= 1
+        return record
+
+
+def test_closed_loop_keeps_the_level_and_open_loop_is_poisson(arun) -> None:
+    closed = Scenario(8, 4, 7, True, True, concurrency=3)
+    client = _FakeClient(0.02)
+    records, _ = arun(run_scenario(client, closed, [(1,)] * 7, seed=100))
+    assert client.most == 3 and [r.completion_tokens for r in records] == list(range(100, 107))
+
+    rate = 20.0
+    opened = Scenario(8, 4, 6, True, True, rate=rate)
+    client = _FakeClient(0.3)  # longer than the gaps: the open loop does not wait for answers
+    records, wall = arun(run_scenario(client, opened, [(1,)] * 6, seed=7))
+    rng = random.Random(7)
+    expected = [rng.expovariate(rate) for _ in range(5)]
+    gaps = [b.sent - a.sent for a, b in itertools.pairwise(records)]
+    assert all(gap >= want - 0.005 for gap, want in zip(gaps, expected, strict=True))
+    assert client.most > 1  # sent while others were in flight
+    assert wall < 6 * 0.3  # not one after the other

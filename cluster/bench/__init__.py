@@ -1,1 +1,8 @@
-"""Benchmarks that decide design choices by measurement (`python -m cluster.bench.<name>`)."""
+"""Benchmarks.
+
+`cluster bench`, the benchmark a user runs on their own cluster: `cli`, `benchmark`,
+`workload`, `client`, `metrics`, `nodes`, `baselines`, `report`, `plots`, `cluster_up`.
+The other modules are a developer's design-decision scripts (`python -m
+cluster.bench.<name>`, each described in its docstring); `ring_baseline` also serves
+`cluster bench --baseline ring`.
+"""

@@ -64,8 +64,26 @@ def versions() -> dict[str, Any]:
     }
 
 
+def describe_node(node: dict[str, Any]) -> str:
+    """'local-0 [0, 4): Apple M2 Ultra, 24 cores, 192.0 GiB, macOS 15.1'"""
+    start, end = node["layers"]
+    memory = node["memory_total_bytes"] / 2**30
+    return (
+        f"{node['node_id']} [{start}, {end}): {node['chip'] or '?'}, {node['cpu_count']} cores, "
+        f"{memory:.1f} GiB, {node['os'] or '?'}"
+    )
+
+
 def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per scenario: name, settings, every metric, then the ratios."""
+    """One flat row per scenario: name, settings, every metric, the ratios, then the run's
+    model, nodes (hardware), versions and commit, alike on every row."""
+    versions = report.get("versions", {})
+    run = {
+        "model": report.get("model"),
+        "nodes": "; ".join(describe_node(n) for n in report.get("hardware", [])),
+        **{key: versions.get(key) for key in ("cluster", "mlx", "mlx_lm", "python", "commit")},
+        "date": versions.get("date"),
+    }
     rows = []
     for scenario in report["scenarios"]:
         row: dict[str, Any] = {"scenario": scenario["name"]}
@@ -73,7 +91,7 @@ def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         row |= scenario["metrics"]
         for baseline, ratios in scenario.get("ratios", {}).items():
             row |= {f"{key}_over_{baseline}": value for key, value in ratios.items()}
-        rows.append(row)
+        rows.append(row | run)
     return rows
 
 
@@ -95,8 +113,10 @@ def write(report: dict[str, Any], out_dir: Path) -> list[Path]:
 def table(report: dict[str, Any]) -> str:
     """The terminal table: one line per scenario, then each node's share of the work."""
     width = max([len(s["name"]) for s in report["scenarios"]] + [8])
+    lines = [f"{report.get('model', '?')} on {len(report.get('hardware', []))} node(s):"]
+    lines += [f"  {describe_node(n)}" for n in report.get("hardware", [])]
     head = f"{'scenario':<{width}} " + " ".join(f"{h:>10}" for h, _, _ in TABLE)
-    lines = [head, "-" * len(head)]
+    lines += ["", head, "-" * len(head)]
     for scenario in report["scenarios"]:
         cells = [_cell(scenario["metrics"].get(key), fmt) for _, key, fmt in TABLE]
         lines.append(f"{scenario['name']:<{width}} " + " ".join(f"{c:>10}" for c in cells))
