@@ -1,10 +1,10 @@
 """The decoding fast path computes exactly what the plain path does.
 
 Fused projections (`cluster.model.fused`), compiled GatedDeltaNet steps
-(`cluster.model.compiled`) and row-padded quantized matmuls (`cluster.model.row_padding`) are
-forced on here (by default the last two are on for CUDA only): logits, greedy tokens and the
-caches after a rejected draft must equal the plain path's, on the bundled model and a MoE
-fixture.
+(`cluster.model.compiled`: the recurrence alone, or whole layers) and row-padded quantized
+matmuls (`cluster.model.row_padding`) are forced on here (by default compiling is on for CUDA
+only, padding is off): logits, greedy tokens and the caches after a rejected draft must equal
+the plain path's, on the bundled model and a MoE fixture.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from cluster.model.loading import load_shard
 
 def _set_fast_path(on: bool | None) -> None:
     compiled.set_enabled(on)
+    compiled.set_layers_enabled(None)
     row_padding.set_enabled(on)
 
 
@@ -50,8 +51,11 @@ def _logits(shard, prompt: list[int], steps: list[tuple[int, ...]]) -> list[mx.a
     return out
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_fused_compiled_padded_logits_equal_plain(model_dir, tokenizer, fast_path, bits) -> None:
+@pytest.mark.parametrize(("bits", "whole_layers"), [(None, True), (None, False), (4, True)])
+def test_fused_compiled_padded_logits_equal_plain(
+    model_dir, tokenizer, fast_path, bits, whole_layers
+) -> None:
+    compiled.set_layers_enabled(whole_layers)  # False: only the recurrence is compiled
     plain = load_shard(model_dir)
     if bits is None:
         fast = load_shard(model_dir, for_decoding=True)
@@ -74,12 +78,15 @@ def test_fused_compiled_padded_logits_equal_plain(model_dir, tokenizer, fast_pat
 def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
     fast = {mtp: run(_generate_all(model_dir, prompts, mtp=mtp)) for mtp in (False, True)}
+    # Batched: the compiled recurrence of several requests at once.
+    fast["batched"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
     _set_fast_path(False)
     reference = run(_generate_all(model_dir, prompts, mtp=False))
     _set_fast_path(True)
     for outs in fast.values():
         assert [o.tokens for o in outs] == [o.tokens for o in reference]
     assert 0 < sum(o.accepted for o in fast[True]) < sum(o.drafted for o in fast[True])
+    assert sum(o.drafted for o in fast["batched"]) > 0
 
     # A rejected draft on the compiled path leaves the caches as if never seen.
     shard = load_shard(model_dir, for_decoding=True)

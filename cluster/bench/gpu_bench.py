@@ -595,17 +595,21 @@ async def engine_decode(
 
 
 # The decoding fast path in steps, each measured against the one before in the same process:
-# (name, projections fused at load, compiled GatedDeltaNet steps, row-padded quantized matmuls).
+# (name, projections fused at load, compiled GatedDeltaNet recurrence, whole GatedDeltaNet
+# layers compiled, row-padded quantized matmuls).
 VARIANTS = (
-    ("plain", False, False, False),
-    ("fused", True, False, False),
-    ("fused+compiled", True, True, False),
-    ("fused+compiled+padded", True, True, True),
+    ("plain", False, False, False, False),
+    ("fused", True, False, False, False),
+    ("fused+compiled", True, True, False, False),
+    ("fused+compiled+padded", True, True, False, True),
+    ("fused+compiled-layers", True, True, True, False),
 )
+DEFAULT_VARIANTS = ("plain", "fused", "fused+compiled", "fused+compiled-layers")
 
 
-def _set_variant(compile_on: bool, pad_on: bool) -> None:
+def _set_variant(compile_on: bool, layers_on: bool, pad_on: bool) -> None:
     compiled.set_enabled(compile_on)
+    compiled.set_layers_enabled(layers_on)
     row_padding.set_enabled(pad_on)
 
 
@@ -616,9 +620,8 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
     report["single"] = single
     worker = MLXWorker()
     shard = None
-    for name, fuse_on, compile_on, pad_on in VARIANTS:
-        if name not in args.variants:
-            continue
+    for name in args.variants:
+        _, fuse_on, compile_on, layers_on, pad_on = next(v for v in VARIANTS if v[0] == name)
         if shard is None or fuse_on != single.get("fused"):
             shard = runner = None
             await worker.run(free_memory)
@@ -636,7 +639,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
         if pad_on:
             await worker.run(row_padding.install, shard)
-        await worker.run(_set_variant, compile_on, pad_on)
+        await worker.run(_set_variant, compile_on, layers_on, pad_on)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}
         row["steps"] = await worker.run(
@@ -672,7 +675,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
         del engine, pipeline
     single.update(single["variants"][args.variants[-1]])
     del shard, runner
-    await worker.run(_set_variant, None, None)
+    await worker.run(_set_variant, None, None, None)
     await worker.run(free_memory)
     worker.close()
 
@@ -1209,7 +1212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         type=lambda s: s.split(","),
-        default=[v[0] for v in VARIANTS],
+        default=list(DEFAULT_VARIANTS),
         help="fast-path variants of the one-process phase, in this order; the last is the one "
         f"reported as the engine: {','.join(v[0] for v in VARIANTS)}",
     )

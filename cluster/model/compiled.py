@@ -22,7 +22,10 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["MAX_COMPILED_POSITIONS", "compiled", "enabled", "set_enabled"]
+__all__ = [
+    "MAX_COMPILED_POSITIONS", "compiled", "enabled", "layers_enabled", "set_enabled",
+    "set_layers_enabled",
+]  # fmt: skip
 
 MAX_COMPILED_POSITIONS = 8  # a step of more positions runs the plain ops
 
@@ -41,6 +44,23 @@ def enabled(positions: int) -> bool:
     if _override is not None:
         return _override
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+_layers_override: bool | None = None
+
+
+def set_layers_enabled(on: bool | None) -> None:
+    """Force whole compiled GatedDeltaNet layers on or off; None: follow `enabled`."""
+    global _layers_override
+    _layers_override = on
+
+
+def layers_enabled(positions: int) -> bool:
+    """Whether a GatedDeltaNet layer's step of one request runs as one compiled call (the
+    projections, the norms and the MLP too, not only the recurrence)."""
+    if positions > MAX_COMPILED_POSITIONS:
+        return False
+    return enabled(positions) if _layers_override is None else _layers_override
 
 
 @functools.cache

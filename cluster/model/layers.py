@@ -59,13 +59,15 @@ def _join(parts: list[mx.array]) -> mx.array:
 
 
 class PackedGatedDeltaNet(GatedDeltaNet):
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """qkv, z, b, a of the packed input."""
+        if "in_proj" in self:  # fused at load (cluster.model.fused)
+            return tuple(self.in_proj(x))
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
         _, length, _ = x.shape
-        if "in_proj" in self:  # fused at load (cluster.model.fused)
-            qkv, z, b, a = self.in_proj(x)
-        else:
-            qkv, z, b, a = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x),
-                            self.in_proj_a(x))  # fmt: skip
+        qkv, z, b, a = self.project(x)
         z = z.reshape(1, length, self.num_v_heads, self.head_v_dim)
         mixed: list[mx.array | None] = [None] * len(segments)
         # Requests whose steps have the same shape (every decode step, typically) run their
@@ -88,32 +90,49 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         n_confirmed: int,
         slot: int,
     ) -> mx.array:
-        caches = [seg.cache.layers[slot] for seg in segs]
-        n_keep = self.conv_kernel_size - 1
-        conv_state = _stack_states([c[0] for c in caches], (1, n_keep, self.conv_dim), qkv.dtype)
-        state_shape = (1, self.num_v_heads, self.head_v_dim, self.head_k_dim)
-        state = _stack_states([c[1] for c in caches], state_shape, mx.float32)
+        conv_state, state = self.states(segs, slot, qkv.dtype)
         # Record the state after each confirmed prefix: a rejected draft restores one of those.
         snapshot_at = tuple(range(n_confirmed, length))
-        dims = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        dims = self.dims
         if compiled.enabled(length):
             core = compiled.compiled(gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=False)
         else:
             core = functools.partial(
                 gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=not self.training
             )
-        out, conv, state, *snapshots = core(
+        out, *new_states = core(
             qkv, a, b, conv_state, state, self.conv1d.weight, self.A_log, self.dt_bias
         )
+        self.store(segs, slot, snapshot_at, new_states)
+        return out
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        return (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def states(self, segs: list[Segment], slot: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """The segments' conv and recurrent states, stacked along the batch axis."""
+        caches = [seg.cache.layers[slot] for seg in segs]
+        n_keep = self.conv_kernel_size - 1
+        conv_state = _stack_states([c[0] for c in caches], (1, n_keep, self.conv_dim), dtype)
+        state_shape = (1, self.num_v_heads, self.head_v_dim, self.head_k_dim)
+        return conv_state, _stack_states([c[1] for c in caches], state_shape, mx.float32)
+
+    @staticmethod
+    def store(
+        segs: list[Segment], slot: int, snapshot_at: tuple[int, ...], states: list[mx.array]
+    ) -> None:
+        """`gdn_core`'s new states (conv, recurrent, then the snapshots) into the caches."""
+        conv, state, *snapshots = states
         n_snap = len(snapshot_at)
         for i, keep in enumerate(snapshot_at):
             snap_conv, after = snapshots[i], snapshots[n_snap + i]
             for row, seg in enumerate(segs):
                 seg.cache.record_snapshot(slot, keep, _row(snap_conv, row), _row(after, row))
-        for row, cache in enumerate(caches):
+        for row, seg in enumerate(segs):
+            cache = seg.cache.layers[slot]
             cache[0] = _row(conv, row)
             cache[1] = _row(state, row)
-        return out
 
 
 def gdn_core(
@@ -281,6 +300,55 @@ class PackedDecoderLayer(DecoderLayer):
             self.self_attn = PackedAttention(args)
 
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
+        # One request's decode step: one compiled call. Not for batches: each layer traces its
+        # own graph per batch size, and batch sizes come and go with the requests (8 concurrent
+        # requests ran at a quarter of their speed so); a batch compiles the recurrence only.
+        if self.is_linear and len(segments) == 1 and compiled.layers_enabled(x.shape[1]):
+            seg = segments[0]
+            return self._compiled_linear_step(x, segments, slot, seg.length, seg.n_confirmed)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), segments, slot)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _compiled_linear_step(
+        self, x: mx.array, segments: list[Segment], slot: int, length: int, n_confirmed: int
+    ) -> mx.array:
+        """The whole GatedDeltaNet layer as one compiled call (`cluster.model.compiled`): a
+        graph traced once per shape, replayed in C++ with its elementwise chains fused. The
+        layer's weights are constants of its own trace."""
+        gdn = self.linear_attn
+        conv_state, state = gdn.states(segments, slot, x.dtype)
+        snapshot_at = tuple(range(n_confirmed, length))
+        steps = self.__dict__.setdefault("_compiled_steps", {})
+        if (step := steps.get(snapshot_at)) is None:
+            step = steps[snapshot_at] = mx.compile(
+                functools.partial(_linear_layer_step, self, snapshot_at=snapshot_at)
+            )
+        h, *new_states = step(x, conv_state, state)
+        gdn.store(segments, slot, snapshot_at, new_states)
+        return h
+
+
+def _linear_layer_step(
+    layer: PackedDecoderLayer,
+    x: mx.array,
+    conv_state: mx.array,
+    state: mx.array,
+    *,
+    snapshot_at: tuple[int, ...],
+) -> list[mx.array]:
+    """A GatedDeltaNet decoder layer over a batch of requests of one step shape, as a function
+    of arrays: the same ops as `PackedDecoderLayer.__call__` (all requests in one group, so the
+    stacking and joining are reshapes). Returns the layer's output, then `gdn_core`'s states."""
+    gdn = layer.linear_attn
+    batch, (_, total, _) = conv_state.shape[0], x.shape
+    qkv, z, b, a = gdn.project(layer.input_layernorm(x))
+    z = z.reshape(1, total, gdn.num_v_heads, gdn.head_v_dim)
+    qkv, a, b = (t.reshape(batch, total // batch, *t.shape[2:]) for t in (qkv, a, b))
+    out, *states = gdn_core(
+        qkv, a, b, conv_state, state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
+        dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=False,
+    )  # fmt: skip
+    out = out.reshape(1, total, gdn.num_v_heads, gdn.head_v_dim)
+    h = x + gdn.out_proj(gdn.norm(out, z).reshape(1, total, -1))
+    return [h + layer.mlp(layer.post_attention_layernorm(h)), *states]
