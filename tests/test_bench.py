@@ -95,7 +95,7 @@ def test_url_run_gives_the_same_metric_set(
 ) -> None:
     done = _bench("--url", coordinator, "--prompt-tokens", "16", "--concurrency", "2",
                   "--rate", "8", "--requests", "4", "--max-tokens", "8", "--mtp", "on",
-                  "--baseline", "none", "--out", str(tmp_path))  # fmt: skip
+                  "--mtp-depth", "2", "--baseline", "none", "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     remote = json.loads((tmp_path / "bench.json").read_text())
     local = json.loads((local_run / "bench.json").read_text())
@@ -104,6 +104,7 @@ def test_url_run_gives_the_same_metric_set(
         assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
         assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
         assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
+    assert remote["settings"]["mtp_depth"] == 2 and closed["metrics"]["mtp_drafted"] > 0
     assert poisson["settings"]["rate"] == 8.0 and poisson["settings"]["concurrency"] is None
     assert "p16 c=2 sampled mtp" in done.stdout and "p16 rate=8/s sampled mtp" in done.stdout
 
@@ -128,6 +129,7 @@ def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:
         (["--url", "http://127.0.0.1:1", "--prompt-tokens", "9000"], "context is 8192 tokens"),
         (["--local", "3", "--concurrency", "0"], "--concurrency values must be >= 1"),
         (["--hosts", "no-such-cluster.toml"], "no such cluster file"),
+        (["--local", "1", "--mtp-depth", "9"], "mtp_depth must be 0..8"),
         (["--local", "2", "--url", "http://x"], "exactly one of"),
     ],
 )
