@@ -73,6 +73,7 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
+        assert all(n["hop_rtt_ms"] > 0 for n in scenario["nodes"])  # pings and heartbeats
         assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
     for row in run["cached_ttft"]:  # the follow-up turn starts from the conversation cache
         assert row["cached_tokens"] == row["prompt_tokens"] and row["cached_ttft_ms"] > 0
