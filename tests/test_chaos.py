@@ -30,7 +30,7 @@ import pytest
 from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
 
 TOKEN = "test-chaos-secret"
-MAX_TOKENS = 120
+MAX_TOKENS = 80
 LAYERS = "0:3,3:6,6:8"
 STREAM_DEADLINE_S = 150.0  # a request that has not ended by then hangs
 DETECT_S = 6.0  # heartbeat deadline (3 s) plus the supervisor's and the poll's periods
