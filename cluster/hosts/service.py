@@ -145,6 +145,7 @@ class NodeService:
         self.definition.parent.mkdir(parents=True, exist_ok=True)
         with self.definition.open("wb") as file:
             plistlib.dump(self.launchd_plist(), file)
+        self._remove_launchd()  # an agent of this label left loaded would refuse the bootstrap
         _run(["launchctl", "bootstrap", self._launchd_target(), str(self.definition)])
 
     def _remove_launchd(self) -> None:
