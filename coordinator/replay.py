@@ -18,6 +18,7 @@ from typing import Protocol
 
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest, ResumePoint
 from cluster.decode.pipeline import Pipeline
+from cluster.decode.prefix_index import PrefixIndex
 from node.client import NodeUnavailable
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,17 @@ class ReplayingEngine:
     @property
     def max_context(self) -> int:
         return self.engine.max_context
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.engine.pipeline
+
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        return self.engine.prefix_index
+
+    # A whole request, as GenerationEngine runs it, over the replaying stream.
+    generate = GenerationEngine.generate
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         point = ResumePoint()

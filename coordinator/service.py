@@ -138,6 +138,7 @@ class Coordinator:
         self._idle_since = time.monotonic()
         self.rebalances_total = 0
         self._placed_among: frozenset[str] = frozenset()  # the nodes that answered then
+        self._placed_at = 0.0
         self._heard: dict[str, _Heard] = {}
         self._probes: dict[str, NodeClient] = {}
         self._tasks: list[asyncio.Task] = []
@@ -205,6 +206,7 @@ class Coordinator:
         nodes = await self._capacities()
         plan = self._plan(nodes)
         self._placed_among = frozenset(node.address for node in nodes)
+        self._placed_at = time.monotonic()
         self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         addresses = [stage.address for stage in plan.stages]
         ranges = [(stage.start, stage.end) for stage in plan.stages]
@@ -296,6 +298,8 @@ class Coordinator:
             return
         if now - self._idle_since < REBALANCE_IDLE_S or self.plan is None:
             return
+        if now - self._placed_at < DOWN_AFTER_S:
+            return  # until every live node has been heard since the placement
         self._idle_since = now  # look again a while later
         answering = self._answering()
         among = frozenset(node.address for node in answering)
@@ -305,6 +309,13 @@ class Coordinator:
             plan = self._plan(answering)
         except (NodeUnavailable, PlacementError):
             return
+        if _layout(plan) != _layout(self.plan):  # worth a look: ask the nodes themselves
+            live = await self._capacities()
+            among = frozenset(node.address for node in live)
+            try:
+                plan = self._plan(live)
+            except (NodeUnavailable, PlacementError):
+                return
         if _layout(plan) == _layout(self.plan):
             self._placed_among = among
             return
@@ -326,11 +337,12 @@ class Coordinator:
                 self.admission.resume()
 
     def _answering(self) -> list[NodeCapacity]:
-        """The nodes that answered the last heartbeat, as placement sees them."""
+        """The nodes heard from since the last placement, lately, as placement sees them."""
         now, nodes = time.monotonic(), []
         for node in self.directory.nodes():
             heard = self._heard.get(node.address)
-            if heard and heard.info and now - heard.at < DOWN_AFTER_S:
+            fresh = heard is not None and heard.at > self._placed_at
+            if fresh and heard.info and now - heard.at < DOWN_AFTER_S:
                 info = heard.info
                 free = max(info.memory_total_bytes - info.memory_used_bytes, 0)
                 nodes.append(NodeCapacity(info.node_id, node.address, free))
