@@ -1,8 +1,9 @@
 """The round trip from a node to its successor, measured by the node itself.
 
-While a shard with a successor is loaded, the node pings it (its Info RPC, a few hundred
-bytes each way) every `PROBE_INTERVAL_S` on a channel of its own and keeps the last few round
-trips; `cluster bench` reads their mean from the node's Info to show which link is slow.
+While a shard with a successor is loaded, the node pings it (`LinkPing`, with a payload the
+size of a decode step's activations at a small model's width) every `PROBE_INTERVAL_S` on a
+channel of its own and keeps the last few round trips; `cluster bench` reads their mean from
+the node's Info to show which link is slow.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 KEEP = 10
+PAYLOAD = bytes(4096)
 
 
 class HopProbe:
@@ -51,8 +53,10 @@ class HopProbe:
         while True:
             started = time.perf_counter()
             try:
-                await self._stub.Info(
-                    pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
+                await self._stub.LinkPing(
+                    pb.LinkPingRequest(payload=PAYLOAD),
+                    timeout=PROBE_TIMEOUT_S,
+                    metadata=self._metadata,
                 )
                 self._rtts_ms.append((time.perf_counter() - started) * 1000)
             except grpc.aio.AioRpcError as error:

@@ -73,6 +73,7 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
+        assert all(n["hop_rtt_ms"] > 0 for n in scenario["nodes"])  # pings and heartbeats
         assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
     for row in run["cached_ttft"]:  # the follow-up turn starts from the conversation cache
         assert row["cached_tokens"] == row["prompt_tokens"] and row["cached_ttft_ms"] > 0
@@ -95,7 +96,7 @@ def test_url_run_gives_the_same_metric_set(
 ) -> None:
     done = _bench("--url", coordinator, "--prompt-tokens", "16", "--concurrency", "2",
                   "--rate", "8", "--requests", "4", "--max-tokens", "8", "--mtp", "on",
-                  "--baseline", "none", "--out", str(tmp_path))  # fmt: skip
+                  "--mtp-depth", "2", "--baseline", "none", "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     remote = json.loads((tmp_path / "bench.json").read_text())
     local = json.loads((local_run / "bench.json").read_text())
@@ -104,6 +105,7 @@ def test_url_run_gives_the_same_metric_set(
         assert scenario["metrics"].keys() == local["scenarios"][0]["metrics"].keys()
         assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
         assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
+    assert remote["settings"]["mtp_depth"] == 2 and closed["metrics"]["mtp_drafted"] > 0
     assert poisson["settings"]["rate"] == 8.0 and poisson["settings"]["concurrency"] is None
     assert "p16 c=2 sampled mtp" in done.stdout and "p16 rate=8/s sampled mtp" in done.stdout
 
@@ -128,6 +130,7 @@ def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:
         (["--url", "http://127.0.0.1:1", "--prompt-tokens", "9000"], "context is 8192 tokens"),
         (["--local", "3", "--concurrency", "0"], "--concurrency values must be >= 1"),
         (["--hosts", "no-such-cluster.toml"], "no such cluster file"),
+        (["--local", "1", "--mtp-depth", "9"], "mtp_depth must be 0..8"),
         (["--local", "2", "--url", "http://x"], "exactly one of"),
     ],
 )

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,11 +27,14 @@ from pathlib import Path
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import tests.test_fuzz as fuzz
 from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
 
 TOKEN = "test-chaos-secret"
-MAX_TOKENS = 120
+MAX_TOKENS = 80
 LAYERS = "0:3,3:6,6:8"
 STREAM_DEADLINE_S = 150.0  # a request that has not ended by then hangs
 DETECT_S = 6.0  # heartbeat deadline (3 s) plus the supervisor's and the poll's periods
@@ -239,5 +243,38 @@ def test_requests_survive_a_killed_a_hung_and_a_restarted_node(chaos: Chaos) -> 
         "the move back to A, B, C",
         60,
     )
+    # Arbitrary bodies (the fuzzer's) at the real coordinator: clean 4xx answers, and it
+    # keeps serving with the same tokens.
+    for body, path in _fuzzed_bodies():
+        status, reply = _post(chaos.url, path, json.dumps(body).encode())
+        assert status < 500, (body, status, reply)
     again, _ = asyncio.run(_run(chaos, bodies[:3]))
     assert again == expected[:3]
+    assert chaos.metric("cluster_errors_total") == 0
+
+
+def _fuzzed_bodies() -> list[tuple[object, str]]:
+    """A few dozen of test_fuzz's arbitrary request bodies."""
+    found: list[tuple[object, str]] = []
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(body=fuzz.bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    def collect(body: object, path: str) -> None:
+        if isinstance(body, dict):  # a valid one must not generate the whole context
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = 4
+        found.append((body, path))
+
+    collect()
+    return found
+
+
+def _post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        f"{url}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()

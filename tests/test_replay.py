@@ -4,7 +4,8 @@ tokens it would have produced (greedy and seeded sampling, with and without MTP)
 The engine is cut after a few chunks (as a node loss cuts it), then resumed on a fresh
 pipeline from what the cut run emitted; the concatenation must equal an undisturbed run.
 A 2-stage local pipeline stands for the new placement, so the replay also crosses layouts.
-The coordinator-level half (`ReplayingEngine`) is driven with a pipeline that fails on cue.
+The coordinator-level half (`ReplayingEngine`) is driven with a pipeline that fails on cue,
+and admission is checked to hold new requests while the model is placed again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from conftest import CODE_PROMPTS, run
 from cluster.decode.engine import GenerationEngine, GenerationRequest, ResumePoint
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams, StepRequest
+from coordinator.admission import AdmissionController, OverCapacity
+from coordinator.replay import ReplayingEngine
+from node.client import NodeUnavailable
 
 MAX_TOKENS = 32
 PREFILL_CHUNK = 8  # small, so that a replay's prefill spans several chunks
@@ -139,5 +143,87 @@ def test_concurrent_replays_match(engines, tokenizer) -> None:
             *(_resume(replay_engine, r, p) for r, p in zip(requests, points, strict=True))
         )
         assert replayed == undisturbed
+
+    run(go())
+
+
+class _FailingPipeline:
+    """A pipeline whose node "dies" after `steps` submissions (as RemotePipeline fails)."""
+
+    def __init__(self, inner, steps: int):
+        self.inner, self.left = inner, steps
+
+    @property
+    def max_context(self) -> int:
+        return self.inner.max_context
+
+    async def submit(self, step):
+        self.left -= 1
+        if self.left < 0:
+            raise NodeUnavailable("node n1 (127.0.0.1:1) stopped answering")
+        return await self.inner.submit(step)
+
+    async def release(self, request_id: str) -> None:
+        await self.inner.release(request_id)
+
+
+class _Replacement:
+    """The coordinator's part: swap in `new` (or fail as when no placement fits)."""
+
+    def __init__(self, engine: GenerationEngine, new, error: str | None = None):
+        self.engine, self.new, self.error = engine, new, error
+        self.failed: list[object] = []
+
+    async def restored(self, failed, error) -> None:
+        self.failed.append(failed)
+        if self.error is not None:
+            raise NodeUnavailable(f"{error}; {self.error}")
+        self.engine.pipeline = self.new
+
+
+def test_replaying_engine_continues_on_the_new_pipeline(engines, tokenizer) -> None:
+    cut_engine, replay_engine = engines
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
+    request = GenerationRequest(prompt, MAX_TOKENS, CASES["seeded-mtp"])
+
+    async def go():
+        undisturbed = (await cut_engine.generate(request)).tokens
+        failing = _FailingPipeline(cut_engine.pipeline, steps=5)
+        engine = GenerationEngine(failing, prefill_chunk=PREFILL_CHUNK)
+        replacement = _Replacement(engine, replay_engine.pipeline)
+        replaying = ReplayingEngine(engine, replacement)
+        tokens = [t async for chunk in replaying.stream(request) for t in chunk.tokens]
+        assert tuple(tokens) == undisturbed
+        assert replaying.replays_total == 1 and replacement.failed == [failing]
+
+        # No placement fits: the request fails, saying why, and is counted.
+        engine = GenerationEngine(_FailingPipeline(cut_engine.pipeline, steps=3))
+        replaying = ReplayingEngine(engine, _Replacement(engine, None, "nothing fits"))
+        with pytest.raises(NodeUnavailable, match="stopped answering; nothing fits"):
+            async for _ in replaying.stream(request):
+                pass
+        assert replaying.replays_failed == 1 and replaying.replays_total == 0
+
+    run(go())
+
+
+def test_admission_holds_new_requests_while_paused() -> None:
+    async def go():
+        admission = AdmissionController(max_running=2, max_queued=1, queue_timeout_s=5)
+        async with admission.slot():  # a running request keeps its slot through the pause
+            admission.pause()
+            held = admission.slot()
+            waiting = asyncio.ensure_future(held.__aenter__())
+            await asyncio.sleep(0.05)
+            assert not waiting.done() and admission.queued == 1
+            with pytest.raises(OverCapacity) as full:  # bounded: the usual 429
+                async with admission.slot():
+                    pass
+            assert full.value.status == 429
+            admission.resume()
+            await asyncio.wait_for(waiting, 1)
+            assert admission.running == 2 and admission.queued == 0
+            await held.__aexit__(None, None, None)
+        assert admission.running == 0
 
     run(go())

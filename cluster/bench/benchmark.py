@@ -56,6 +56,7 @@ async def run_benchmark(
     *,
     on_request_done: Callable[[], None] = lambda: None,
     api_key: str | None = None,
+    mtp_depth: int | str | None = None,
 ) -> dict[str, Any]:
     """Run every scenario of `plan` against the coordinator at `url`."""
     probe = Client(url, model="", api_key=api_key)
@@ -65,7 +66,7 @@ async def run_benchmark(
     finally:
         await probe.close()
     model_id = _served_model(served, plan.model_dir)
-    client = Client(url, model_id, api_key)
+    client = Client(url, model_id, api_key, mtp_depth)
     try:
         warmup = Scenario(WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS, 1, True, True, concurrency=1)
         await _run_checked(client, warmup, [prompts.take(WARMUP_PROMPT_TOKENS)], plan.seed)

@@ -30,6 +30,7 @@ from cluster.bench.workload import (
 )
 from cluster.config import ModelDirError, bundled_model_path, load_model_config
 from cluster.hosts.clusterfile import ClusterFileError, load_cluster_file
+from cluster.messages import RequestError, parse_mtp_depth
 
 
 @click.command("bench")
@@ -64,6 +65,11 @@ from cluster.hosts.clusterfile import ClusterFileError, load_cluster_file
 )
 @click.option("--mtp", "mtp_modes", default="on,off", show_default=True, help="on, off or on,off.")
 @click.option(
+    "--mtp-depth",
+    default=None,
+    help="MTP drafts per step (0..N or auto) for MTP-on requests [the server's default].",
+)
+@click.option(
     "--baseline",
     "baseline_kinds",
     default="mlx-lm",
@@ -92,6 +98,7 @@ def bench_command(
     requests: int | None,
     sampling: str,
     mtp_modes: str,
+    mtp_depth: str | None,
     baseline_kinds: str,
     seed: int,
     out_dir: Path | None,
@@ -120,11 +127,19 @@ def bench_command(
             seed,
         )  # fmt: skip
         kinds = _baseline_kinds(baseline_kinds)
+        depth = parse_mtp_depth(mtp_depth) if mtp_depth is not None else None
         prompts = PromptSource(_tokenizer(model_dir))
         with _cluster_url(url, local, hosts, model_dir) as target:
-            result = _run(target, plan, prompts, api_key)
+            result = _run(target, plan, prompts, api_key, depth)
         result["baselines"] = _baselines(kinds, plan, prompts, local, model_dir)
-    except (BenchError, WorkloadError, ClusterUpError, ModelDirError, ClusterFileError) as error:
+    except (
+        BenchError,
+        WorkloadError,
+        ClusterUpError,
+        ModelDirError,
+        ClusterFileError,
+        RequestError,
+    ) as error:
         raise click.ClickException(str(error)) from None
     _attach_ratios(result)
     result = {
@@ -136,6 +151,7 @@ def bench_command(
             "hosts_file": str(hosts) if hosts else None,
             "model_dir": str(model_dir),
             "seed": seed,
+            "mtp_depth": depth,
             "baselines": kinds,
         },
         "versions": report.versions(),
@@ -216,7 +232,13 @@ def _cluster_url(
         yield cluster.url
 
 
-def _run(url: str, plan: BenchPlan, prompts: PromptSource, api_key: str | None) -> dict[str, Any]:
+def _run(
+    url: str,
+    plan: BenchPlan,
+    prompts: PromptSource,
+    api_key: str | None,
+    mtp_depth: int | str | None,
+) -> dict[str, Any]:
     with click.progressbar(
         length=plan.total_requests,
         label=f"{len(plan.scenarios)} scenarios",
@@ -225,7 +247,12 @@ def _run(url: str, plan: BenchPlan, prompts: PromptSource, api_key: str | None) 
     ) as bar:
         return asyncio.run(
             run_benchmark(
-                url, plan, prompts, on_request_done=lambda: bar.update(1), api_key=api_key
+                url,
+                plan,
+                prompts,
+                on_request_done=lambda: bar.update(1),
+                api_key=api_key,
+                mtp_depth=mtp_depth,
             )
         )
 

@@ -52,10 +52,17 @@ class RequestRecord:
 class Client:
     """One aiohttp session against a coordinator's OpenAI API."""
 
-    def __init__(self, url: str, model: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key: str | None = None,
+        mtp_depth: int | str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.api_key = api_key
+        self.mtp_depth = mtp_depth  # drafts per step with MTP on; None: the server's default
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, sock_connect=10)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = aiohttp.ClientSession(
@@ -94,6 +101,8 @@ class Client:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if scenario.mtp and self.mtp_depth is not None:
+            body["mtp_depth"] = self.mtp_depth
         sent = time.perf_counter()
         try:
             async with self._session.post(f"{self.url}/v1/completions", json=body) as response:

@@ -55,7 +55,8 @@ def breakdown(before: NodeSnapshot, after: NodeSnapshot, wall_s: float) -> list[
         then = before.get(node_id, {})
         batches = now.get("batches_total", 0) - then.get("batches_total", 0)
         busy = now.get("busy_seconds_total", 0.0) - then.get("busy_seconds_total", 0.0)
-        hop = now["rtt_ms"] if previous is None else previous.get("next_hop_rtt_ms", 0.0)
+        # .get: a coordinator of an older version lacks these counters; they show as None
+        hop = now.get("rtt_ms") if previous is None else previous.get("next_hop_rtt_ms")
         rows.append(
             {
                 "node_id": node_id,

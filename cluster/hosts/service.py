@@ -127,9 +127,10 @@ class NodeService:
     def _launchd_target(self) -> str:
         return f"gui/{os.getuid()}"
 
-    def _install_launchd(self) -> None:
+    def launchd_plist(self) -> dict:
+        """The launchd agent: started at login (and so after a reboot), restarted if it dies."""
         log = str(Path(self.state_dir) / "node.log")
-        plist = {
+        return {
             "Label": self.label,
             "ProgramArguments": list(self.argv),
             "EnvironmentVariables": dict(self.env),
@@ -139,9 +140,12 @@ class NodeService:
             "StandardErrorPath": log,
             "ProcessType": "Interactive",  # full GPU and memory priority for inference
         }
+
+    def _install_launchd(self) -> None:
         self.definition.parent.mkdir(parents=True, exist_ok=True)
         with self.definition.open("wb") as file:
-            plistlib.dump(plist, file)
+            plistlib.dump(self.launchd_plist(), file)
+        self._remove_launchd()  # an agent of this label left loaded would refuse the bootstrap
         _run(["launchctl", "bootstrap", self._launchd_target(), str(self.definition)])
 
     def _remove_launchd(self) -> None:
@@ -159,11 +163,12 @@ class NodeService:
 
     # -- systemd --user ---------------------------------------------------------------------
 
-    def _install_systemd(self) -> None:
+    def systemd_unit(self) -> str:
+        """The `systemd --user` unit: enabled for default.target, restarted if it dies."""
         import shlex
 
         env = "".join(f"Environment={shlex.quote(f'{k}={v}')}\n" for k, v in self.env)
-        unit = (
+        return (
             "[Unit]\nDescription=qwen cluster node " + self.name + "\n\n"
             "[Service]\n" + env + "ExecStart=" + shlex.join(self.argv) + "\n"
             "Restart=always\nRestartSec=2\n"
@@ -171,8 +176,10 @@ class NodeService:
             f"StandardError=append:{self.state_dir}/node.log\n\n"
             "[Install]\nWantedBy=default.target\n"
         )
+
+    def _install_systemd(self) -> None:
         self.definition.parent.mkdir(parents=True, exist_ok=True)
-        self.definition.write_text(unit)
+        self.definition.write_text(self.systemd_unit())
         # Lingering keeps the user's manager (and the node) running with nobody logged in.
         subprocess.run(["loginctl", "enable-linger"], capture_output=True)
         _run(["systemctl", "--user", "daemon-reload"])
