@@ -78,7 +78,7 @@ def test_fused_compiled_padded_logits_equal_plain(
 def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
     fast = {mtp: run(_generate_all(model_dir, prompts, mtp=mtp)) for mtp in (False, True)}
-    # Batched: the compiled recurrence of several requests at once.
+    # Batched (the plain ops: compiled steps are for one request's step).
     fast["batched"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
     _set_fast_path(False)
     reference = run(_generate_all(model_dir, prompts, mtp=False))

@@ -4,8 +4,9 @@ On MLX CUDA a decode step is bound by the host: Python builds each op's graph no
 backend launches one kernel per op. GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal
 has mlx-lm's fused kernel) is some 30 small ops per layer and position. Compiled, a layer's
 step is one call that replays a traced graph in C++ with its elementwise chains fused into a
-few kernels. A compiled function is traced once per input shape, so only steps of a few
-positions (decode, verify) take this path; a prefill chunk runs the plain ops.
+few kernels. A compiled function is traced once per input shape, so only one request's step
+of a few positions (decode, verify) takes this path; a prefill chunk and a batch of requests
+run the plain ops.
 
 Whether it is on is decided per backend (`enabled`): on for CUDA, where it took the 27B-shape
 backbone's one-token graph build from 17.2 to 15.1 ms (BENCHMARKS.md, issue 10); off on Metal

@@ -94,7 +94,9 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         # Record the state after each confirmed prefix: a rejected draft restores one of those.
         snapshot_at = tuple(range(n_confirmed, length))
         dims = self.dims
-        if compiled.enabled(length):
+        # One request only: batches of 8 through 2 nodes ran at a sixth of their speed with
+        # compiled steps (BENCHMARKS.md, issue 10, runs F and G); not explained yet.
+        if compiled.enabled(length) and len(segs) == 1:
             core = compiled.compiled(gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=False)
         else:
             core = functools.partial(
@@ -300,9 +302,8 @@ class PackedDecoderLayer(DecoderLayer):
             self.self_attn = PackedAttention(args)
 
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
-        # One request's decode step: one compiled call. Not for batches: each layer traces its
-        # own graph per batch size, and batch sizes come and go with the requests (8 concurrent
-        # requests ran at a quarter of their speed so); a batch compiles the recurrence only.
+        # One request's decode step: one compiled call. Not for batches: each layer would trace
+        # its own graph per batch size, and batch sizes come and go with the requests.
         if self.is_linear and len(segments) == 1 and compiled.layers_enabled(x.shape[1]):
             seg = segments[0]
             return self._compiled_linear_step(x, segments, slot, seg.length, seg.n_confirmed)
