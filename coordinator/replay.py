@@ -13,7 +13,9 @@ cannot be placed again does the request fail, with an error that says why.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Protocol
 
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest, ResumePoint
@@ -58,6 +60,7 @@ class ReplayingEngine:
     generate = GenerationEngine.generate
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        request = with_seed(request)
         point = ResumePoint()
         while True:
             pipeline = self.engine.pipeline
@@ -86,3 +89,14 @@ class ReplayingEngine:
                 raise
             self.replays_total += 1
             log.info("replaying request %s on the new placement", request.request_id)
+
+
+def with_seed(request: GenerationRequest) -> GenerationRequest:
+    """A sampled request without a seed gets one here, so that a replay continues it exactly
+    too (its tokens are still random: the seed is)."""
+    sampling = request.options.sampling
+    if sampling.greedy or sampling.seed is not None:
+        return request
+    seed = int.from_bytes(os.urandom(8), "little") >> 1
+    options = replace(request.options, sampling=replace(sampling, seed=seed))
+    return replace(request, options=options)

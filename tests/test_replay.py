@@ -19,7 +19,7 @@ from cluster.decode.engine import GenerationEngine, GenerationRequest, ResumePoi
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams, StepRequest
 from coordinator.admission import AdmissionController, OverCapacity
-from coordinator.replay import ReplayingEngine
+from coordinator.replay import ReplayingEngine, with_seed
 from node.client import NodeUnavailable
 
 MAX_TOKENS = 32
@@ -205,6 +205,16 @@ def test_replaying_engine_continues_on_the_new_pipeline(engines, tokenizer) -> N
         assert replaying.replays_failed == 1 and replaying.replays_total == 0
 
     run(go())
+
+
+def test_unseeded_sampled_requests_get_a_seed_to_replay_with(tokenizer) -> None:
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[2]))
+    sampled = GenerationRequest(prompt, 4, RequestOptions(SamplingParams(0.7)))
+    seeded = with_seed(sampled)
+    assert seeded.options.sampling.seed is not None
+    assert seeded.request_id == sampled.request_id and seeded.prompt == sampled.prompt
+    greedy = GenerationRequest(prompt, 4)
+    assert with_seed(greedy) is greedy
 
 
 def test_admission_holds_new_requests_while_paused() -> None:
