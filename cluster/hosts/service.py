@@ -245,12 +245,24 @@ class NodeService:
         while self._supervisor_pid() is not None and _alive(pid):
             if time.monotonic() > deadline:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)  # its own session and group
+                    os.killpg(pid, signal.SIGKILL)  # its own session and group, the node included
+                _wait_for_group_exit(pid)
                 break
             time.sleep(0.05)
 
     def _running_process(self) -> bool:
         return self._supervisor_pid() is not None
+
+
+def _wait_for_group_exit(pgid: int, timeout_s: float = 5.0) -> None:
+    """Waits until no process of the group is left, so that `down` returns with none running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:

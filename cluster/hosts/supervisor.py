@@ -8,6 +8,7 @@ the node's state directory, which is how `cluster down` finds it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,11 +41,11 @@ def supervise(state_dir: Path, argv: list[str]) -> int:
             while not stopping:
                 started = time.monotonic()
                 child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-                while child.poll() is None:
-                    try:
+                # `stopping` is checked here too: a SIGTERM that lands while Popen runs finds no
+                # child to stop, and the finally block below must stop this one.
+                while child.poll() is None and not stopping:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         child.wait(timeout=1.0)
-                    except subprocess.TimeoutExpired:
-                        continue
                 if stopping:
                     break
                 backoff = (
