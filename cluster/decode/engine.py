@@ -155,22 +155,14 @@ class GenerationEngine:
                 settled = (step, result)
                 drafted += result.drafted
                 accepted += result.accepted
-                tokens, finish = _cut(result.tokens, request, produced)
+                tokens, finish, logprobs, top, drafts = _emission(result, request, produced)
                 produced += len(tokens)
-                logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
-                top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
-                drafts = result.drafts if request.options.mtp else ()
-                # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
-                drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
                 yield GenerationChunk(
                     tokens, finish, drafted, accepted, logprobs, top, cached, drafts
                 )
                 if finish:
                     return
-                step = self._next_step(step, result, drafts)
-                if request.constraint is not None:
-                    request.constraint.advance(tokens)
-                    step = replace(step, token_masks=request.constraint.masks(drafts))
+                step = _following_step(step, result, tokens, drafts, request)
                 settled = None
                 result = await self.pipeline.submit(step)
         finally:
@@ -190,21 +182,14 @@ class GenerationEngine:
             while True:
                 drafted += result.drafted
                 accepted += result.accepted
-                tokens, finish = _cut(result.tokens, request, produced)
+                tokens, finish, logprobs, top, drafts = _emission(result, request, produced)
                 produced += len(tokens)
-                logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
-                top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
-                drafts = result.drafts if request.options.mtp else ()
-                drafts = drafts[: max(request.max_tokens - produced - 1, 0)]
                 yield GenerationChunk(
                     tokens, finish, drafted, accepted, logprobs, top, drafts=drafts
                 )
                 if finish:
                     return
-                step = self._next_step(step, result, drafts)
-                if request.constraint is not None:
-                    request.constraint.advance(tokens)
-                    step = replace(step, token_masks=request.constraint.masks(drafts))
+                step = _following_step(step, result, tokens, drafts, request)
                 result = await pipeline.submit(step)
         finally:
             await asyncio.shield(pipeline.release(rid))
@@ -363,16 +348,6 @@ class GenerationEngine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    @staticmethod
-    def _next_step(step: StepRequest, result: StepResult, drafts: tuple[int, ...]) -> StepRequest:
-        return StepRequest(
-            step.request_id,
-            (result.tokens[-1], *drafts),
-            position=step.position + result.keep,
-            draft_len=len(drafts),
-            rollback=len(step.tokens) - result.keep,
-        )
-
 
 async def _submit_all(pipeline: Pipeline, steps: list[StepRequest]) -> list[StepResult]:
     """Submitted together: a later chunk can enter the head while an earlier one runs on."""
@@ -389,6 +364,42 @@ def _run_id(request: GenerationRequest) -> str:
     """Each run has its own id on the shards: nodes refuse a released id, and a caller may
     well run the same request twice (or again after a prefix cache fallback)."""
     return f"{request.request_id}.{uuid.uuid4().hex[:8]}"
+
+
+def _emission(
+    result: StepResult, request: GenerationRequest, produced: int
+) -> tuple[tuple[int, ...], str | None, tuple | None, tuple | None, tuple[int, ...]]:
+    """What a step's result gives the client after `produced` tokens: the tokens (cut at a stop
+    or max_tokens), why it ended, their logprobs and top logprobs, and the drafts to verify."""
+    tokens, finish = _cut(result.tokens, request, produced)
+    logprobs = result.logprobs[: len(tokens)] if result.logprobs else None
+    top = result.top_logprobs[: len(tokens)] if result.top_logprobs else None
+    drafts = result.drafts if request.options.mtp else ()
+    # A step emits at most 1 + len(drafts) tokens: no draft past max_tokens.
+    drafts = drafts[: max(request.max_tokens - produced - len(tokens) - 1, 0)]
+    return tokens, finish, logprobs, top, drafts
+
+
+def _following_step(
+    step: StepRequest,
+    result: StepResult,
+    emitted: tuple[int, ...],
+    drafts: tuple[int, ...],
+    request: GenerationRequest,
+) -> StepRequest:
+    """The step after `step`: its last confirmed token and the drafts, rolling back what the
+    verify rejected; a constrained request's masks follow the tokens just emitted."""
+    following = StepRequest(
+        step.request_id,
+        (result.tokens[-1], *drafts),
+        position=step.position + result.keep,
+        draft_len=len(drafts),
+        rollback=len(step.tokens) - result.keep,
+    )
+    if request.constraint is None:
+        return following
+    request.constraint.advance(emitted)
+    return replace(following, token_masks=request.constraint.masks(drafts))
 
 
 def _cut(
