@@ -299,6 +299,26 @@ def test_bad_hosts_are_each_named_and_nothing_is_started(lab: Lab, tmp_path: Pat
     assert processes_mentioning(str(tmp_path)) == []
 
 
+def test_bench_runs_on_the_hosts_of_the_cluster_file(lab: Lab, tmp_path: Path):
+    """`cluster bench --hosts` brings the cluster up the way `cluster up --hosts` does (it finds
+    the node services running) and measures it; the lab's own `up` makes way meanwhile."""
+    lab.up.stop()
+    out = tmp_path / "bench"
+    result = cluster(
+        "bench", "--hosts", str(lab.cluster_file), "--prompt-tokens", "16",
+        "--concurrency", "1", "--max-tokens", "8", "--sampling", "greedy", "--mtp", "on",
+        "--baseline", "none", "--out", str(out), timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run = json.loads((out / "bench.json").read_text())
+    assert run["settings"]["hosts_file"] == str(lab.cluster_file)
+    (scenario,) = run["scenarios"]
+    assert [r["completion_tokens"] for r in scenario["requests"]] == [8, 8]
+    assert [r["prompt_tokens"] for r in scenario["requests"]] == [16, 16]
+    assert len(scenario["nodes"]) == 3
+    lab.up = start_up(lab.cluster_file, lab.up.log.with_name("up-after-bench.log"))
+
+
 def test_down_leaves_nothing_behind(lab: Lab):
     lab.up.stop()
     result = cluster("down", "--hosts", str(lab.cluster_file))
