@@ -46,16 +46,19 @@ IDLE_SWEEP_SECONDS = 5.0
 MIN_MLX_CACHE_BYTES = 32 * 2**20
 
 
-def mlx_cache_limit(cache_budget_bytes: int | None, weights_bytes: int) -> int:
+def mlx_cache_limit(runner: ShardRunner, weights_bytes: int) -> int:
     """How many bytes of freed buffers MLX may keep for reuse on this node.
 
     MLX keeps freed buffers up to its memory limit by default, so a node's footprint only
-    ever grows towards it. Buffers of a step's size are worth keeping: as much as the request
-    caches may hold (their budget), or without a budget a quarter of the weights' size, at
-    least MIN_MLX_CACHE_BYTES."""
-    if cache_budget_bytes is not None:
-        return max(cache_budget_bytes, MIN_MLX_CACHE_BYTES)
-    return max(weights_bytes // 4, MIN_MLX_CACHE_BYTES)
+    grows towards the machine's whole memory. The cap is half of what the node's memory
+    (`--memory-gb`, else the machine's) has left beyond its weights, its request caches' budget
+    and its prefix snapshots' budget: the node stays within its memory, and the buffers of a
+    whole batch step stay cached. Not smaller: a batch rewrites every request's recurrent
+    states each step, and a cap below that working set frees and allocates them again on every
+    step, which on CUDA synchronizes the device."""
+    reserved = (runner.cache_budget_bytes or 0) + runner.snapshots.budget_bytes
+    headroom = total_memory_bytes() - weights_bytes - reserved
+    return max(headroom // 2, MIN_MLX_CACHE_BYTES)
 
 
 def device_name() -> str:
@@ -186,7 +189,7 @@ class NodeService(pb_grpc.NodeServicer):
             )
             self.shard_request = request
             self.shard_loads += 1
-            mx.set_cache_limit(mlx_cache_limit(budget, self.weights_bytes))
+            mx.set_cache_limit(mlx_cache_limit(runner, self.weights_bytes))
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
 
@@ -316,9 +319,7 @@ class NodeService(pb_grpc.NodeServicer):
                 )
             )
             info.epoch = r.epoch
-            info.mlx_cache_limit_bytes = mlx_cache_limit(
-                runner.cache_budget_bytes, self.weights_bytes
-            )
+            info.mlx_cache_limit_bytes = mlx_cache_limit(runner, self.weights_bytes)
             info.cache_bytes = runner.cache_bytes
             info.cache_budget_bytes = runner.cache_budget_bytes or 0
             info.active_requests = len(runner.requests)
