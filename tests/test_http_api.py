@@ -17,7 +17,7 @@ import pytest
 
 from cluster.messages import RequestError
 from coordinator.admission import AdmissionController
-from coordinator.api import StopMatcher, stop_token_ids
+from coordinator.text_stream import StopMatcher, stop_token_ids
 from tests.fakes import MODEL_ID, FakeEngine, Served, serve, tokenizer, wait_until
 
 TEXT = "def add(a, b):\n    return a + b\n\nprint('héllo wörld')\nSTOP_HERE\nmore text"

@@ -41,8 +41,8 @@ from cluster.bench.common import (
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams
-from coordinator.api import stop_token_ids
 from coordinator.response_format import JsonConstraint, JsonGrammars
+from coordinator.text_stream import stop_token_ids
 
 VARIANTS = ("plain", "logprobs", "json", "json+lp")
 LONG_TEXT_SCHEMA = {

@@ -64,7 +64,7 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
-from coordinator.api import stop_token_ids
+from coordinator.text_stream import stop_token_ids
 from node.client import open_remote_engine
 
 WAYS = ("http", "direct", "local")
