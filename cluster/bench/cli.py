@@ -273,7 +273,9 @@ def _baselines(
         out["mlx-lm"] = baselines.mlx_lm_baseline(model_dir, ids, runs, max_tokens, plan.seed)
     if "ring" in kinds:
         if local is None:
-            out["ring"] = {"skipped": "the ring baseline runs on the hosts of --local or --hosts"}
+            out["ring"] = {
+                "skipped": "the ring baseline runs only with --local, not over --hosts or --url yet"
+            }
         else:
             click.echo(f"baseline: mlx-lm ring pipeline over {local} ranks ...", err=True)
             try:
