@@ -16,6 +16,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from cluster.hosts.clusterfile import load_cluster_file
 from node.client import NodeClient
 from tests import hostlab
 from tests.daemons import free_port, wait_until
@@ -311,7 +314,7 @@ def test_bench_runs_on_the_hosts_of_the_cluster_file(lab: Lab, tmp_path: Path):
     result = cluster(
         "bench", "--hosts", str(lab.cluster_file), "--prompt-tokens", "16",
         "--concurrency", "1", "--max-tokens", "8", "--sampling", "greedy", "--mtp", "on",
-        "--baseline", "none", "--out", str(out), timeout=240,
+        "--baseline", "ring", "--out", str(out), timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     run = json.loads((out / "bench.json").read_text())
@@ -320,7 +323,87 @@ def test_bench_runs_on_the_hosts_of_the_cluster_file(lab: Lab, tmp_path: Path):
     assert [r["completion_tokens"] for r in scenario["requests"]] == [8, 8]
     assert [r["prompt_tokens"] for r in scenario["requests"]] == [16, 16]
     assert len(scenario["nodes"]) == 3
+    # mlx-lm's ring pipeline ran one rank on each lab host, reached through the cluster
+    # file's ssh settings, its ring on the hosts' own addresses.
+    ring = run["baselines"]["ring"]
+    assert "error" not in ring and "skipped" not in ring, ring
+    slow = [h.slow_address for h in lab.lab.hosts]
+    assert [h["ssh_address"] for h in ring["hosts"]] == slow
+    assert [h["ring_address"].rsplit(":", 1)[0] for h in ring["hosts"]] == slow
+    (base,) = ring["runs"]
+    assert base["generated"] == 8 and base["decode_tps"] > 0 and base["ttft_ms"] > 0
+    assert scenario["ratios"]["ring"]["output_throughput"] > 0
+    assert not list(Path(tempfile.gettempdir()).glob("qwencluster-ring-*"))
+    assert processes_mentioning("cluster.bench.ring_baseline") == []
     lab.up = start_up(lab.cluster_file, lab.up.log.with_name("up-after-bench.log"))
+
+
+def ring_prompt(length: int) -> dict[int, tuple[int, ...]]:
+    from mlx_lm.tokenizer_utils import load
+
+    from cluster.bench.workload import PromptSource
+
+    return {length: PromptSource(load(MODEL)).take(length)}
+
+
+def namespace_of(pid: int) -> str:
+    return subprocess.run(
+        ["ip", "netns", "identify", str(pid)], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def test_a_ring_rank_that_dies_stops_the_ring_on_every_host(lab: Lab):
+    """The ranks run inside the hosts' namespaces; one killed mid-run gives an error naming
+    its host, and no rank (nor its files) is left on any host."""
+    from cluster.bench import baselines
+
+    cluster_file = load_cluster_file(lab.cluster_file)
+    result: dict = {}
+    run = threading.Thread(
+        target=lambda: result.update(
+            baselines.ring_hosts_baseline(cluster_file, ring_prompt(16), [(16, False)], 2000, 0)
+        )
+    )
+    run.start()
+    try:
+        workers = wait_until(
+            lambda: (
+                (found := processes_mentioning("cluster.bench.ring_baseline --worker"))
+                and len(found) == 3
+                and found
+            ),
+            "three ring ranks",
+            60.0,
+        )
+        namespaces = {namespace_of(pid): pid for pid, _ in workers}
+        assert set(namespaces) == {h.namespace for h in lab.lab.hosts}
+        os.kill(namespaces[lab.lab.hosts[1].namespace], signal.SIGKILL)
+    finally:
+        run.join(timeout=60)
+    error = result["error"]
+    assert f"host {lab.lab.hosts[1].name!r} (rank 1): the rank exited with -9" in error, error
+    assert "the ranks were stopped on every host" in error
+    assert processes_mentioning("cluster.bench.ring_baseline") == []
+    assert processes_mentioning("ring-rank") == []
+    assert not list(Path(tempfile.gettempdir()).glob("qwencluster-ring-*"))
+
+
+def test_a_host_that_cannot_listen_for_the_ring_is_named_and_no_rank_starts(
+    lab: Lab, tmp_path: Path
+):
+    """A node whose cluster-file address is not on its host: the probe finds that the rank
+    could not listen there, names the host, and nothing starts anywhere."""
+    from cluster.bench import baselines
+
+    nodes = lab_nodes(lab.lab, lab.command)
+    nodes[2]["address"] = "192.0.2.7"  # TEST-NET-1: on no host
+    cluster_file = load_cluster_file(write_cluster_file(tmp_path / "away.toml", lab.lab, nodes))
+    result = baselines.ring_hosts_baseline(cluster_file, ring_prompt(16), [(16, False)], 8, 0)
+    error = result["error"]
+    assert f"host {lab.lab.hosts[2].name!r}: cannot listen on 192.0.2.7: " in error, error
+    assert "no rank was started" in error and "Traceback" not in error
+    assert lab.lab.hosts[0].name not in error and lab.lab.hosts[1].name not in error
+    assert processes_mentioning("cluster.bench.ring_baseline") == []
 
 
 def test_down_leaves_nothing_behind(lab: Lab):

@@ -4,5 +4,6 @@
 `workload`, `client`, `metrics`, `nodes`, `baselines`, `report`, `plots`, `cluster_up`.
 The other modules are a developer's design-decision scripts (`python -m
 cluster.bench.<name>`, each described in its docstring); `ring_baseline` also serves
-`cluster bench --baseline ring`.
+`cluster bench --baseline ring`, over the hosts of a cluster file through `ring_hosts` (here)
+and `ring_rank` (on each host).
 """

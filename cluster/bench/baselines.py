@@ -4,7 +4,8 @@
           the model on one machine with no cluster around it
   ring    mlx-lm's own pipeline parallelism (`mlx.launch --backend ring`, every rank
           holding a share of the layers; `cluster.bench.ring_baseline`) on the same hosts:
-          for `--local N`, N ranks on this machine
+          for `--local N`, N ranks on this machine; for `--hosts FILE`, one rank on each
+          host of the cluster file (`cluster.bench.ring_hosts`)
 
 Both decode the bench's own prompts (same lengths, same sampling; stop tokens ignored, so
 every run generates exactly --max-tokens tokens) and report TTFT (prompt in, first token
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.workload import SAMPLED_TEMPERATURE, Scenario
+from cluster.hosts.clusterfile import ClusterFile
 
 MEMORY_SHARE = 0.75  # the model "fits" a machine when its weights take at most this share
 KINDS = ("mlx-lm", "ring")
@@ -113,6 +115,55 @@ def ring_baseline(
     return {
         "description": f"mlx.launch --backend ring, {ranks} ranks on 127.0.0.1",
         "command": report["command"],
+        "runs": out,
+    }
+
+
+def ring_hosts_baseline(
+    cluster: ClusterFile,
+    prompts: dict[int, tuple[int, ...]],
+    runs: list[tuple[int, bool]],
+    max_tokens: int,
+    seed: int,
+) -> dict[str, Any]:
+    """mlx-lm's ring pipeline with one rank on each host of the cluster file; an `error`
+    (naming the host) or a `skipped` entry when it cannot run there."""
+    from cluster.bench.ring_hosts import (
+        RingHostsError,
+        probe_hosts,
+        run_ring_on_hosts,
+        why_it_does_not_fit,
+    )
+    from cluster.hosts.ssh import SSH
+
+    if len(cluster.nodes) < 2:
+        return {"skipped": "mlx-lm's ring pipeline needs at least 2 ranks: the file has 1 host"}
+    ssh = SSH(cluster.ssh_config)
+    try:
+        hosts = probe_hosts(cluster, ssh)
+        if (reason := why_it_does_not_fit(cluster.model, hosts, MEMORY_SHARE)) is not None:
+            return {"skipped": reason}
+        report = run_ring_on_hosts(
+            cluster,
+            hosts,
+            [(list(prompts[length]), sampled) for length, sampled in runs],
+            max_tokens=max_tokens,
+            seed=seed,
+            temperature=SAMPLED_TEMPERATURE,
+            ssh=ssh,
+        )
+    except RingHostsError as error:
+        return {"error": f"mlx-lm's ring pipeline did not run on the hosts: {error}"}
+    out = [
+        {"prompt_tokens": length, "sampling": _sampling(sampled), **row}
+        for (length, sampled), row in zip(runs, report["runs"], strict=True)
+    ]
+    return {
+        "description": f"mlx-lm pipeline, ring backend, {len(hosts)} ranks: one on each host "
+        f"of {cluster.path.name}",
+        "command": "cluster hosts ring-rank on each host over ssh (MLX_RANK and MLX_HOSTFILE "
+        "as mlx.launch --backend ring sets them)",
+        "hosts": report["hosts"],
         "runs": out,
     }
 

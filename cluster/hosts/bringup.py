@@ -54,7 +54,9 @@ class UpNode:
         )
 
 
-def _remote(ssh: SSH, node: HostNode, *args: str, stdin: str = "", timeout: float = 30.0) -> dict:
+def hosts_command(
+    ssh: SSH, node: HostNode, *args: str, stdin: str = "", timeout: float = 30.0
+) -> dict:
     """Run `cluster hosts ARGS` on the node's host; its JSON answer, or a clear error."""
     done = ssh.run(
         node.ssh, remote_words(node.cluster, "hosts", *args), stdin=stdin, timeout=timeout
@@ -72,7 +74,10 @@ def _remote(ssh: SSH, node: HostNode, *args: str, stdin: str = "", timeout: floa
             f'it on that host, or give its path as cluster = "..." in the [[node]] table'
         )
     if done.returncode != 0:
-        raise BringUpError(f"{where}: `cluster hosts {args[0]}` failed: {done.stderr.strip()}")
+        # A crash there: its last line (the exception) says what; the rest is its traceback.
+        said = done.stderr.strip()
+        said = said.splitlines()[-1] if "Traceback (most recent call last)" in said else said
+        raise BringUpError(f"{where}: `cluster hosts {args[0]}` failed: {said}")
     try:
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -86,7 +91,7 @@ def probe(ssh: SSH, cluster: ClusterFile, node: HostNode) -> HostProbe:
     args = ["probe", "--model", str(cluster.model), "--service", node.service]
     if node.address is not None:
         args += ["--address", node.address]
-    answer = _remote(ssh, node, *args)
+    answer = hosts_command(ssh, node, *args)
     version = str(answer.get("version", "unknown"))
     if version != __version__:
         raise BringUpError(
@@ -124,14 +129,14 @@ def _install(ssh: SSH, secret: str, node: HostNode) -> dict:
         args += ["--state-dir", node.state_dir]
     if node.memory_gb is not None:
         args += ["--memory-gb", f"{node.memory_gb:g}"]
-    return _remote(ssh, node, *args, stdin=secret + "\n", timeout=INSTALL_TIMEOUT_S)
+    return hosts_command(ssh, node, *args, stdin=secret + "\n", timeout=INSTALL_TIMEOUT_S)
 
 
 def _remove(ssh: SSH, node: HostNode) -> dict:
     args = ["remove", "--name", node.name]
     if node.state_dir:
         args += ["--state-dir", node.state_dir]
-    return _remote(ssh, node, *args)
+    return hosts_command(ssh, node, *args)
 
 
 def _failures(results: list, nodes: list[HostNode]) -> list[str]:

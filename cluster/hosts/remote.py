@@ -149,3 +149,14 @@ def remove_command(name: str, state_dir: str | None) -> None:
         return
     existing.remove()
     _answer(state="removed", service=existing.kind)
+
+
+def _add_ring_commands() -> None:
+    """`cluster bench --hosts` runs mlx-lm's ring baseline through these (cluster.bench)."""
+    from cluster.bench.ring_rank import RING_COMMANDS
+
+    for command in RING_COMMANDS:
+        hosts_group.add_command(command)
+
+
+_add_ring_commands()

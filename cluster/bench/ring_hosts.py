@@ -1,0 +1,298 @@
+"""mlx-lm's ring pipeline over the hosts of a cluster file (`cluster bench --hosts FILE
+--baseline ring`): one rank per `[[node]]` host, in the file's order.
+
+The ranks are started over the project's own ssh (the cluster file's `ssh_config`, BatchMode,
+the hosts in parallel), not by `mlx.launch`, whose plain `ssh -tt HOST` would ignore the
+cluster file's ssh settings. Each host runs `cluster hosts ring-rank` of its own installation
+(the node's `cluster` command, as `cluster up --hosts` does), which starts the rank the way
+`mlx.launch --backend ring` would (MLX_RANK, and MLX_HOSTFILE holding every rank's ip:port)
+with that installation's Python (`cluster.bench.ring_rank`). Every rank loads its share of the
+layers with mlx-lm's `sharded_load` from the model path of the cluster file, on its own host.
+
+Before anything starts, every host is probed: the project's version, mlx and mlx-lm there,
+the model at that path, its memory, and the ring's address: the node's `address` from the
+cluster file (an interface is resolved on the host) or else the address ssh reached it on,
+never 127.0.0.1, with a port free there. Rank 0 (mlx-lm gives it the last layers) prints its
+figures on its ssh's stdout; no shared filesystem is assumed. When a rank fails or the run
+outlives its deadline, every rank is killed over ssh (`cluster hosts ring-stop`) and the error
+names the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster import __version__
+from cluster.hosts.bringup import BringUpError, dial_address, hosts_command
+from cluster.hosts.clusterfile import ClusterFile, HostNode
+from cluster.hosts.ssh import SSH, SSH_FAILED, in_parallel, remote_words
+
+RING_TIMEOUT_S = 300.0
+MARGIN_S = 20.0  # this side waits that much longer than the ranks' own deadline
+POLL_S = 0.1
+LOG_LINES = 3  # of a failed rank's output, in the error
+
+
+class RingHostsError(RuntimeError):
+    """The ring did not run; the message names each host and what went wrong there."""
+
+
+@dataclass(frozen=True, slots=True)
+class RingHost:
+    rank: int
+    node: HostNode
+    hostname: str
+    address: str  # where the rank listens for its ring neighbours
+    port: int
+    memory_bytes: int
+
+    @property
+    def endpoint(self) -> str:
+        return dial_address(self.address, self.port)
+
+
+def _probe(ssh: SSH, cluster: ClusterFile, rank: int, node: HostNode) -> RingHost:
+    args = ["ring-probe", "--model", str(cluster.model)]
+    if node.address is not None:
+        args += ["--address", node.address]
+    answer = hosts_command(ssh, node, *args, timeout=60.0)
+    where = f"host {node.ssh!r}"
+    if answer.get("version") != __version__:
+        raise RingHostsError(
+            f"{where} has cluster {answer.get('version')}, this machine {__version__}: install "
+            "the same version on both"
+        )
+    if answer["mlx_error"]:
+        raise RingHostsError(f"{where}: {answer['mlx_error']}; install mlx-lm there")
+    if not answer["model_present"]:
+        raise RingHostsError(
+            f"{where}: no model at {cluster.model}; mlx-lm's ring ranks load it from disk, so "
+            "copy the model to that path there"
+        )
+    if not answer["ring_address"]:
+        raise RingHostsError(
+            f'{where}: cannot tell its address for the ring; give address = "..." in its '
+            "[[node]] table"
+        )
+    if answer["port_error"]:
+        raise RingHostsError(f"{where}: {answer['port_error']}")
+    return RingHost(
+        rank,
+        node,
+        answer["hostname"],
+        answer["ring_address"],
+        answer["port"],
+        answer["memory_bytes"],
+    )
+
+
+def probe_hosts(cluster: ClusterFile, ssh: SSH) -> list[RingHost]:
+    """Every host's readiness for a rank, all at once; one error naming each host that is not."""
+    results = in_parallel(lambda pair: _probe(ssh, cluster, *pair), list(enumerate(cluster.nodes)))
+    failures = [
+        str(r) if isinstance(r, RingHostsError | BringUpError) else f"host {n.ssh!r}: {r}"
+        for n, r in zip(cluster.nodes, results, strict=True)
+        if isinstance(r, BaseException)
+    ]
+    if failures:
+        raise RingHostsError("\n".join(failures) + "\nno rank was started")
+    return results  # type: ignore[return-value]
+
+
+def rank_bytes(model_dir: Path, ranks: int) -> list[int]:
+    """The weight bytes each rank loads: mlx-lm's even split of the layers (rank 0 the last,
+    the low ranks one extra), and on every rank the embedding, final norm and lm_head."""
+    from cluster.model.footprint import ModelFootprint
+
+    footprint = ModelFootprint.from_dir(model_dir)
+    layers = footprint.layer_weight_bytes
+    base, extra = divmod(len(layers), ranks)
+    split = [base + (1 if r < extra else 0) for r in range(ranks)]
+    shared = footprint.embed_bytes + footprint.lm_head_bytes + footprint.final_norm_bytes
+    out = []
+    for rank in range(ranks):
+        start = sum(split[rank + 1 :])
+        out.append(sum(layers[start : start + split[rank]]) + shared)
+    return out
+
+
+def why_it_does_not_fit(model_dir: Path, hosts: list[RingHost], share: float) -> str | None:
+    """The ring needs each rank's share of the model to fit its host (the hosts together, not
+    one machine); a node's `memory_gb` caps what its host offers."""
+    from cluster.model.footprint import ModelFootprint
+
+    layers = len(ModelFootprint.from_dir(model_dir).layer_weight_bytes)
+    if len(hosts) > layers:
+        return f"mlx-lm's pipeline needs at most one rank per layer ({layers}), not {len(hosts)}"
+    for host, need in zip(hosts, rank_bytes(model_dir, len(hosts)), strict=True):
+        cap = host.node.memory_gb * 1e9 if host.node.memory_gb is not None else None
+        memory = min(host.memory_bytes, cap) if cap is not None else host.memory_bytes
+        if memory and need > share * memory:
+            return (
+                f"rank {host.rank}'s share of the model ({need / 1e9:.1f} GB) does not fit "
+                f"host {host.node.ssh!r} ({memory / 1e9:.1f} GB)"
+            )
+    return None
+
+
+@dataclass
+class _Rank:
+    host: RingHost
+    proc: subprocess.Popen
+    stdout: Any
+    stderr: Any
+
+    def answer(self) -> dict | None:
+        self.stdout.seek(0)
+        lines = self.stdout.read().strip().splitlines()
+        with contextlib.suppress(ValueError, IndexError):
+            return json.loads(lines[-1])
+        return None
+
+    def failure(self) -> str:
+        where = f"host {self.host.node.ssh!r} (rank {self.host.rank})"
+        answer = self.answer()
+        self.stderr.seek(0)
+        stderr = self.stderr.read().strip()
+        if answer is None:
+            if self.proc.returncode == SSH_FAILED:
+                detail = (stderr.splitlines() or ["no detail"])[-1]
+                return f"{where}: ssh lost it ({detail})"
+            return f"{where}: `cluster hosts ring-rank` exited with {self.proc.returncode}: " + (
+                stderr[-800:] or "no output"
+            )
+        if answer["timed_out"]:
+            return f"{where}: the rank did not finish within its deadline"
+        said = "\n".join(answer["log"].strip().splitlines()[-LOG_LINES:]) or "no output"
+        return f"{where}: the rank exited with {answer['exit']}; its last lines:\n{said}"
+
+
+def _start(ssh: SSH, host: RingHost, run_id: str, settings: dict) -> _Rank:
+    remote = remote_words(
+        host.node.cluster, "hosts", "ring-rank", "--run-id", run_id, "--rank", str(host.rank)
+    )
+    stdout = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by the caller
+    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by the caller
+    proc = subprocess.Popen(
+        ssh.argv(host.node.ssh, remote),
+        stdin=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,  # Ctrl-C reaches this process, which then stops the ranks
+    )
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write(json.dumps(settings))
+        proc.stdin.close()
+    return _Rank(host, proc, stdout, stderr)
+
+
+def _stop(ssh: SSH, ranks: list[_Rank], run_id: str) -> list[str]:
+    """Kill every rank on its host; what could not be stopped."""
+
+    def stop(rank: _Rank) -> dict:
+        args = ["ring-stop", "--run-id", run_id, "--rank", str(rank.host.rank)]
+        return hosts_command(ssh, rank.host.node, *args)
+
+    # A rank whose `ring-rank` exited has ended and cleaned up; ssh's own failure may have
+    # left it running there, and one still connecting may not have started yet.
+    live = [r for r in ranks if r.proc.poll() in (None, SSH_FAILED)]
+    results = in_parallel(stop, live)
+    for rank in ranks:
+        if rank.proc.poll() is None:
+            rank.proc.kill()
+        rank.proc.wait()
+    return [
+        f"could not stop rank {r.host.rank} on host {r.host.node.ssh!r}: {result}"
+        for r, result in zip(live, results, strict=True)
+        if isinstance(result, BaseException)
+    ]
+
+
+def _wait(ranks: list[_Rank], timeout_s: float) -> list[dict | None]:
+    """Every rank's answer once all succeeded; a RingHostsError at the first failure."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [rank.proc.poll() for rank in ranks]
+        failed = [r for r, code in zip(ranks, codes, strict=True) if code not in (None, 0)]
+        if failed:
+            raise RingHostsError("\n".join(r.failure() for r in failed))
+        if all(code == 0 for code in codes):
+            return [rank.answer() for rank in ranks]
+        if time.monotonic() > deadline:
+            running = [r.host.node.ssh for r, c in zip(ranks, codes, strict=True) if c is None]
+            raise RingHostsError(
+                f"the ring did not finish within {timeout_s:.0f} s (still running on "
+                f"{', '.join(running)})"
+            )
+        time.sleep(POLL_S)
+
+
+def run_ring_on_hosts(
+    cluster: ClusterFile,
+    hosts: list[RingHost],
+    prompt_runs: list[tuple[list[int], bool]],
+    *,
+    max_tokens: int,
+    seed: int,
+    temperature: float,
+    timeout_s: float = RING_TIMEOUT_S,
+    ssh: SSH | None = None,
+) -> dict[str, Any]:
+    """Run the ring on the probed hosts; rank 0's report (its `runs` in prompt_runs' order)
+    and each rank's host. Raises RingHostsError, with no rank left running anywhere."""
+    ssh = ssh or SSH(cluster.ssh_config)
+    run_id = uuid.uuid4().hex[:16]
+    settings = {
+        "hostfile": [[host.endpoint] for host in hosts],
+        "model": str(cluster.model),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "prompt_runs": prompt_runs,
+        "timeout_s": timeout_s,
+    }
+    ranks: list[_Rank] = []
+    answers: list[dict | None] = []
+    failure: RingHostsError | None = None
+    leftovers: list[str] = []
+    try:
+        for host in hosts:
+            ranks.append(_start(ssh, host, run_id, settings))
+        answers = _wait(ranks, timeout_s + MARGIN_S)
+    except RingHostsError as error:
+        failure = error
+    finally:
+        if not answers and ranks:  # failed, timed out or interrupted: no rank stays behind
+            leftovers = _stop(ssh, ranks, run_id)
+        for rank in ranks:
+            rank.stdout.close()
+            rank.stderr.close()
+    if failure is not None:
+        raise RingHostsError(
+            "\n".join([str(failure), *leftovers, "the ranks were stopped on every host"])
+        )
+    report = answers[0]["report"] if answers[0] else None
+    if not report:
+        raise RingHostsError(f"rank 0 on host {hosts[0].node.ssh!r} reported no figures")
+    return report | {
+        "hosts": [
+            {
+                "rank": host.rank,
+                "host": host.node.ssh,
+                "hostname": answer["hostname"],
+                "ssh_address": answer["ssh_address"],
+                "ring_address": host.endpoint,
+            }
+            for host, answer in zip(hosts, answers, strict=True)
+        ]
+    }
