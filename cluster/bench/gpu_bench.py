@@ -663,6 +663,19 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
                 restore_decide(previous)
             on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
             row["mtp_on"][str(alpha)] = on
+        if last and args.concurrent > 1:  # batching in one process, without the hops
+            previous = install_oracle(0.7, seed=3)
+            try:
+                row["concurrent"] = await concurrent_decode(
+                    engine, prompt, args.tokens, args.concurrent
+                )
+            finally:
+                restore_decide(previous)
+            print(
+                f"  one process, {args.concurrent} concurrent MTP on: "
+                f"{row['concurrent']['aggregate_tps']:.1f} tok/s",
+                flush=True,
+            )
         single["variants"][name] = row
         st = row["steps"]
         print(
@@ -1124,6 +1137,13 @@ def summarize(report: dict) -> None:
             row += f" | on a={alpha} {r['median_tps']:.1f} ({r['over_off']:.2f}x)"
         lines.append(row)
         s["single_on_over_off_0.7"] = on / off if on else None
+        if on and "concurrent" in single:
+            c = single["concurrent"]
+            s["single_concurrent_over_one"] = c["aggregate_tps"] / on
+            lines.append(
+                f"  {c['requests']} concurrent MTP on a=0.7: {c['aggregate_tps']:.1f} tok/s, "
+                f"{c['aggregate_tps'] / on:.2f}x one request"
+            )
     lm = report.get("mlx_lm", {}).get("median_tps")
     if lm and off and on:
         s["single_off_over_mlx_lm"] = off / lm
