@@ -6,6 +6,10 @@ between the hosts). The slow network is a userspace hub that holds every frame `
 before passing it on (this kernel has no netem qdisc): three tap devices, one per host plus
 the root's, read and written by a thread of the test. The fast one is a kernel bridge.
 Everything is made with a random tag and removed by `close()`: namespaces, links, daemons.
+
+`sudo python -m tests.hostlab DIR` starts a lab for trying `cluster up|bench --hosts` by hand:
+it writes DIR/cluster.toml (the bundled model, one node per host) and runs until Ctrl-C or
+SIGTERM, which take the nodes down (`cluster down --hosts`) and the lab away.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 import random
 import select
 import shutil
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -244,3 +250,66 @@ class HostLab:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         if self.hub is not None:
             self.hub.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_cluster_file(lab: HostLab, path: Path) -> Path:
+    """A cluster file for every host of the lab: the bundled model, supervised processes."""
+    from cluster.config import bundled_model_path
+
+    command = lab.cluster_command()
+    lines = [
+        f'model = "{bundled_model_path()}"',
+        f"port = {_free_port()}",
+        f'ssh_config = "{lab.ssh_config}"',
+        f'secret_file = "{lab.directory / "secret"}"',
+    ]
+    for i, host in enumerate(lab.hosts):
+        lines += [
+            "[[node]]",
+            f'ssh = "{host.name}"',
+            f'name = "mac{i}"',
+            f'cluster = "{command}"',
+            'service = "process"',
+            f'state_dir = "{lab.directory / "state" / f"mac{i}"}"',
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.hostlab", description=__doc__)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--hosts", type=int, default=3)
+    parser.add_argument("--delay-ms", type=float, default=2.0, help="the slow network's delay")
+    args = parser.parse_args()
+    if (missing := available()) is not None:
+        raise SystemExit(f"the lab cannot run here: {missing}")
+    lab = HostLab(args.directory / "lab", args.hosts, args.delay_ms / 1000).start()
+    cluster_file = args.directory / "cluster.toml"
+    try:
+        write_cluster_file(lab, cluster_file)
+        print(f"hosts: {', '.join(h.name for h in lab.hosts)}; cluster file: {cluster_file}")
+        print("Ctrl-C takes the lab away", flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "cluster", "down", "--hosts", str(cluster_file)],
+            capture_output=True,
+        )
+        lab.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -324,12 +324,28 @@ def test_bench_runs_on_the_hosts_of_the_cluster_file(lab: Lab, tmp_path: Path):
     assert [r["prompt_tokens"] for r in scenario["requests"]] == [16, 16]
     assert len(scenario["nodes"]) == 3
     # mlx-lm's ring pipeline ran one rank on each lab host, reached through the cluster
-    # file's ssh settings, its ring on the hosts' own addresses.
+    # file's ssh settings (the slow network), its ring on the fast network that the pipeline
+    # streams over: at the hops' addresses, and the head at its address on that network.
     ring = run["baselines"]["ring"]
     assert "error" not in ring and "skipped" not in ring, ring
-    slow = [h.slow_address for h in lab.lab.hosts]
-    assert [h["ssh_address"] for h in ring["hosts"]] == slow
-    assert [h["ring_address"].rsplit(":", 1)[0] for h in ring["hosts"]] == slow
+    assert [h["ssh_address"] for h in ring["hosts"]] == [h.slow_address for h in lab.lab.hosts]
+    # (An earlier test pinned the tail's hop to the slow network; the nodes kept it.)
+    pipeline = run["hardware"]
+    hop_ip = {n["node_id"]: n["hop"]["address"].rsplit(":", 1)[0] for n in pipeline if n["hop"]}
+    into = {b["node_id"]: hop_ip[a["node_id"]] for a, b in itertools.pairwise(pipeline)}
+    head = pipeline[0]["node_id"]
+    for i, rank in enumerate(ring["hosts"]):
+        ip = rank["ring_address"].rsplit(":", 1)[0]
+        host = lab.lab.hosts[i]
+        if f"mac{i}" == head:  # on the network of the hop it streams over itself
+            assert rank["address_from"] == "hops' network"
+            assert ip in (host.fast_address, host.slow_address)
+            assert ip.rsplit(".", 1)[0] == hop_ip[head].rsplit(".", 1)[0], (ip, hop_ip)  # /24
+        else:
+            assert (rank["address_from"], ip) == ("pipeline hop", into[f"mac{i}"])
+    assert {h.fast_address for h in lab.lab.hosts} & {
+        r["ring_address"].rsplit(":", 1)[0] for r in ring["hosts"]
+    }
     (base,) = ring["runs"]
     assert base["generated"] == 8 and base["decode_tps"] > 0 and base["ttft_ms"] > 0
     assert scenario["ratios"]["ring"]["output_throughput"] > 0
@@ -368,13 +384,16 @@ def test_a_ring_rank_that_dies_stops_the_ring_on_every_host(lab: Lab):
     try:
         workers = wait_until(
             lambda: (
-                (found := processes_mentioning("cluster.bench.ring_baseline --worker"))
-                and len(found) == 3
-                and found
+                result
+                or (
+                    len(found := processes_mentioning("cluster.bench.ring_baseline --worker")) == 3
+                    and found
+                )
             ),
             "three ring ranks",
             60.0,
         )
+        assert not result, result  # the ring must not have ended (or failed) by itself
         namespaces = {namespace_of(pid): pid for pid, _ in workers}
         assert set(namespaces) == {h.namespace for h in lab.lab.hosts}
         os.kill(namespaces[lab.lab.hosts[1].namespace], signal.SIGKILL)
@@ -396,11 +415,11 @@ def test_a_host_that_cannot_listen_for_the_ring_is_named_and_no_rank_starts(
     from cluster.bench import baselines
 
     nodes = lab_nodes(lab.lab, lab.command)
-    nodes[2]["address"] = "192.0.2.7"  # TEST-NET-1: on no host
+    nodes[2]["address"] = "198.51.100.7"  # TEST-NET-2: on no host
     cluster_file = load_cluster_file(write_cluster_file(tmp_path / "away.toml", lab.lab, nodes))
     result = baselines.ring_hosts_baseline(cluster_file, ring_prompt(16), [(16, False)], 8, 0)
     error = result["error"]
-    assert f"host {lab.lab.hosts[2].name!r}: cannot listen on 192.0.2.7: " in error, error
+    assert f"host {lab.lab.hosts[2].name!r}: cannot listen on 198.51.100.7: " in error, error
     assert "no rank was started" in error and "Traceback" not in error
     assert lab.lab.hosts[0].name not in error and lab.lab.hosts[1].name not in error
     assert processes_mentioning("cluster.bench.ring_baseline") == []

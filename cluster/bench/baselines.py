@@ -125,9 +125,12 @@ def ring_hosts_baseline(
     runs: list[tuple[int, bool]],
     max_tokens: int,
     seed: int,
+    pipeline: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """mlx-lm's ring pipeline with one rank on each host of the cluster file; an `error`
-    (naming the host) or a `skipped` entry when it cannot run there."""
+    (naming the host) or a `skipped` entry when it cannot run there. `pipeline`: the bench's
+    `hardware` (the cluster's nodes, head first, with their hops): the ring then takes the
+    links the pipeline streams over."""
     from cluster.bench.ring_hosts import (
         RingHostsError,
         probe_hosts,
@@ -140,7 +143,7 @@ def ring_hosts_baseline(
         return {"skipped": "mlx-lm's ring pipeline needs at least 2 ranks: the file has 1 host"}
     ssh = SSH(cluster.ssh_config)
     try:
-        hosts = probe_hosts(cluster, ssh)
+        hosts = probe_hosts(cluster, ssh, pipeline)
         if (reason := why_it_does_not_fit(cluster.model, hosts, MEMORY_SHARE)) is not None:
             return {"skipped": reason}
         report = run_ring_on_hosts(

@@ -131,7 +131,9 @@ def bench_command(
         prompts = PromptSource(_tokenizer(model_dir))
         with _cluster_url(url, local, hosts, model_dir) as target:
             result = _run(target, plan, prompts, api_key, depth)
-        result["baselines"] = _baselines(kinds, plan, prompts, local, hosts, model_dir)
+        result["baselines"] = _baselines(
+            kinds, plan, prompts, local, hosts, model_dir, result.get("hardware", [])
+        )
     except (
         BenchError,
         WorkloadError,
@@ -264,6 +266,7 @@ def _baselines(
     local: int | None,
     hosts: Path | None,
     model_dir: Path,
+    pipeline: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """Each baseline asked for, or why it did not run. mlx-lm in one process, and the ring of
     --local N ranks (all on this machine), need the model to fit this machine; the ring over
@@ -285,7 +288,7 @@ def _baselines(
         if hosts is not None:
             click.echo(f"baseline: mlx-lm ring pipeline over the hosts of {hosts} ...", err=True)
             out["ring"] = baselines.ring_hosts_baseline(
-                load_cluster_file(hosts), ids, runs, max_tokens, plan.seed
+                load_cluster_file(hosts), ids, runs, max_tokens, plan.seed, pipeline
             )
         elif local is None:
             out["ring"] = {

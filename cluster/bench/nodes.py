@@ -42,6 +42,7 @@ def hardware(cluster: dict[str, Any]) -> list[dict[str, Any]]:
             "cpu_count": n.get("cpu_count", 0),
             "memory_total_bytes": n["memory_total_bytes"],
             "device": n["device"],
+            "hop": n.get("hop"),  # the link to its successor: where the pipeline streams
         }
         for n in pipeline_nodes(cluster)
     ]

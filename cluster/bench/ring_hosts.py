@@ -21,12 +21,14 @@ names the host.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import itertools
 import json
 import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +52,21 @@ class RingHost:
     rank: int
     node: HostNode
     hostname: str
-    address: str  # where the rank listens for its ring neighbours
+    address: str  # where the rank listens for its ring neighbours ("" until chosen)
+    address_from: str  # why that address: cluster file, pipeline hop, hops' network, ssh
     port: int
     memory_bytes: int
+    ssh_address: str
+    networks: tuple[ipaddress.IPv4Interface, ...]  # the host's IPv4 addresses with prefixes
 
     @property
     def endpoint(self) -> str:
         return dial_address(self.address, self.port)
 
 
-def _probe(ssh: SSH, cluster: ClusterFile, rank: int, node: HostNode) -> RingHost:
+def _probe(
+    ssh: SSH, cluster: ClusterFile, rank: int, node: HostNode, streamed_to: str | None
+) -> RingHost:
     args = ["ring-probe", "--model", str(cluster.model)]
     if node.address is not None:
         args += ["--address", node.address]
@@ -77,31 +84,85 @@ def _probe(ssh: SSH, cluster: ClusterFile, rank: int, node: HostNode) -> RingHos
             f"{where}: no model at {cluster.model}; mlx-lm's ring ranks load it from disk, so "
             "copy the model to that path there"
         )
-    if not answer["ring_address"]:
-        raise RingHostsError(
-            f'{where}: cannot tell its address for the ring; give address = "..." in its '
-            "[[node]] table"
-        )
     if answer["port_error"]:
         raise RingHostsError(f"{where}: {answer['port_error']}")
+    if answer["address"]:
+        address, source = answer["address"], "cluster file"
+    elif streamed_to:
+        address, source = streamed_to, "pipeline hop"
+    else:
+        address, source = "", ""
     return RingHost(
         rank,
         node,
         answer["hostname"],
-        answer["ring_address"],
+        address,
+        source,
         answer["port"],
         answer["memory_bytes"],
+        answer["ssh_address"],
+        tuple(ipaddress.IPv4Interface(f"{n['address']}/{n['prefix']}") for n in answer["networks"]),
     )
 
 
-def probe_hosts(cluster: ClusterFile, ssh: SSH) -> list[RingHost]:
-    """Every host's readiness for a rank, all at once; one error naming each host that is not."""
-    results = in_parallel(lambda pair: _probe(ssh, cluster, *pair), list(enumerate(cluster.nodes)))
+def _choose_address(host: RingHost, preferred: list[str]) -> RingHost:
+    """For a host the pipeline does not stream to (the head): its address on the network of
+    the first of `preferred` it shares one with (the address it streams to itself first, then
+    the other ranks'), so that the ring takes the links the pipeline measured best; else the
+    address ssh reached."""
+    if host.address:
+        return host
+    for other in preferred:
+        if not other or ":" in other:
+            continue
+        for interface in host.networks:
+            if ipaddress.ip_address(other) in interface.network:
+                return replace(host, address=str(interface.ip), address_from="hops' network")
+    if host.ssh_address:
+        return replace(host, address=host.ssh_address, address_from="ssh")
+    raise RingHostsError(
+        f'host {host.node.ssh!r}: cannot tell its address for the ring; give address = "..." '
+        "in its [[node]] table"
+    )
+
+
+def _hop_ip(node: dict[str, Any]) -> str:
+    hop = node.get("hop") or {}
+    return hop["address"].rsplit(":", 1)[0].strip("[]") if hop.get("address") else ""
+
+
+def streamed_to(pipeline: list[dict[str, Any]]) -> dict[str, str]:
+    """Node id -> the address its predecessor in the running pipeline streams to (`hop`:
+    the link it measured best, or the cluster file's), from the bench's `hardware`."""
+    return {
+        successor["node_id"]: _hop_ip(node)
+        for node, successor in itertools.pairwise(pipeline)
+        if _hop_ip(node)
+    }
+
+
+def probe_hosts(
+    cluster: ClusterFile, ssh: SSH, pipeline: list[dict[str, Any]] | None = None
+) -> list[RingHost]:
+    """Every host's readiness for a rank and its ring address, all at once; one error naming
+    each host that is not ready. `pipeline`: the running cluster's nodes, head first."""
+    hops = streamed_to(pipeline or [])
+    results = in_parallel(
+        lambda pair: _probe(ssh, cluster, *pair, hops.get(pair[1].name)),
+        list(enumerate(cluster.nodes)),
+    )
     failures = [
         str(r) if isinstance(r, RingHostsError | BringUpError) else f"host {n.ssh!r}: {r}"
         for n, r in zip(cluster.nodes, results, strict=True)
         if isinstance(r, BaseException)
     ]
+    if not failures:
+        own = {n["node_id"]: _hop_ip(n) for n in pipeline or []}
+        chosen = [h.address for h in results if h.address]  # type: ignore[union-attr]
+        results = in_parallel(
+            lambda h: _choose_address(h, [own.get(h.node.name, ""), *chosen]), results
+        )
+        failures = [str(r) for r in results if isinstance(r, BaseException)]
     if failures:
         raise RingHostsError("\n".join(failures) + "\nno rank was started")
     return results  # type: ignore[return-value]
@@ -292,6 +353,7 @@ def run_ring_on_hosts(
                 "hostname": answer["hostname"],
                 "ssh_address": answer["ssh_address"],
                 "ring_address": host.endpoint,
+                "address_from": host.address_from,
             }
             for host, answer in zip(hosts, answers, strict=True)
         ]

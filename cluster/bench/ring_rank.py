@@ -4,8 +4,8 @@ ring-stop`.
 
 ring-probe  what the rank will need: this project's version, mlx and mlx-lm importable by the
             interpreter of this host's `cluster`, the model at the cluster file's path, the
-            host's memory, the ring address (the cluster file's address, an interface resolved
-            here, else the one ssh came in on) and a free port on it
+            host's memory, its addresses (the cluster file's, an interface resolved here; the
+            one ssh came in on; every IPv4 network) and a port free on all of them
 ring-rank   runs `python -m cluster.bench.ring_baseline --worker` with the environment
             `mlx.launch` gives a rank (MLX_RANK, MLX_HOSTFILE: a file holding every rank's
             ip:port), waits for it and prints one JSON object: rank 0's figures read from the
@@ -64,31 +64,43 @@ def _mlx_problem() -> str:
     return ""
 
 
-def _free_port(address: str) -> int:
+def _free_port(address: str, port: int = 0) -> int:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family) as s:
-        s.bind((address, 0))
+        s.bind((address, port))
         return s.getsockname()[1]
+
+
+def _networks() -> list[dict[str, object]]:
+    """This host's IPv4 addresses (loopback left out) with their prefix lengths."""
+    import ifaddr
+
+    return [
+        {"address": ip.ip, "prefix": ip.network_prefix}
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if ip.is_IPv4 and not ip.ip.startswith("127.")
+    ]
 
 
 @click.command("ring-probe")
 @click.option("--model", "model_dir", required=True, help="The cluster file's model path.")
 @click.option("--address", default=None, help="The cluster file's address: an IP or interface.")
 def ring_probe_command(model_dir: str, address: str | None) -> None:
-    """What a ring rank here needs, and the address and port it would listen on."""
+    """What a ring rank here needs, this host's addresses, and a port free on all of them."""
     from node.links import interface_address
 
     connection = os.environ.get("SSH_CONNECTION", "").split()
     ssh_address = connection[2] if len(connection) >= 3 else ""
     if address is not None:
         address = interface_address(address) or address
-    ring_address = address or ssh_address
     port, port_error = 0, ""
-    if ring_address:
-        try:
-            port = _free_port(ring_address)
-        except OSError as error:
-            port_error = f"cannot listen on {ring_address}: {error}"
+    try:  # free on the wildcard address: free on every address of the host
+        port = _free_port("::" if address and ":" in address else "0.0.0.0")
+        if address:
+            _free_port(address, port)
+    except OSError as error:
+        port_error = f"cannot listen on {address or 'any address'}: {error}"
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -97,7 +109,8 @@ def ring_probe_command(model_dir: str, address: str | None) -> None:
         version=__version__,
         hostname=socket.gethostname(),
         ssh_address=ssh_address,
-        ring_address=ring_address,
+        address=address or "",
+        networks=_networks(),
         port=port,
         port_error=port_error,
         mlx_error=_mlx_problem(),
