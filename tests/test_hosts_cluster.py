@@ -407,6 +407,28 @@ def test_a_ring_rank_that_dies_stops_the_ring_on_every_host(lab: Lab):
     assert not list(Path(tempfile.gettempdir()).glob("qwencluster-ring-*"))
 
 
+def test_a_ring_past_its_deadline_is_stopped_on_every_host(lab: Lab):
+    """Each rank's own deadline (here 1 s: less than a load takes) kills it there; the error
+    says so, and no rank or file is left on any host."""
+    from cluster.bench.ring_hosts import RingHostsError, probe_hosts, run_ring_on_hosts
+    from cluster.hosts.ssh import SSH
+
+    cluster_file = load_cluster_file(lab.cluster_file)
+    ssh = SSH(cluster_file.ssh_config)
+    hosts = probe_hosts(cluster_file, ssh)
+    (ids,) = ring_prompt(16).values()
+    with pytest.raises(RingHostsError) as failed:
+        run_ring_on_hosts(
+            cluster_file, hosts, [(list(ids), False)], max_tokens=8, seed=0, temperature=0.0,
+            timeout_s=1.0, ssh=ssh,
+        )  # fmt: skip
+    assert "the rank did not finish within its deadline" in str(failed.value), failed.value
+    assert "the ranks were stopped on every host" in str(failed.value)
+    assert processes_mentioning("cluster.bench.ring_baseline") == []
+    assert processes_mentioning("ring-rank") == []
+    assert not list(Path(tempfile.gettempdir()).glob("qwencluster-ring-*"))
+
+
 def test_a_host_that_cannot_listen_for_the_ring_is_named_and_no_rank_starts(
     lab: Lab, tmp_path: Path
 ):

@@ -40,6 +40,7 @@ from cluster.hosts.ssh import SSH, SSH_FAILED, in_parallel, remote_words
 RING_TIMEOUT_S = 300.0
 MARGIN_S = 20.0  # this side waits that much longer than the ranks' own deadline
 POLL_S = 0.1
+STOP_WAIT_S = 10.0  # for a rank's ssh to end once its stdin is closed
 LOG_LINES = 3  # of a failed rank's output, in the error
 
 
@@ -227,6 +228,8 @@ class _Rank:
             if self.proc.returncode == SSH_FAILED:
                 detail = (stderr.splitlines() or ["no detail"])[-1]
                 return f"{where}: ssh lost it ({detail})"
+            if "Traceback (most recent call last)" in stderr:  # its exception says what
+                stderr = stderr.splitlines()[-1]
             return f"{where}: `cluster hosts ring-rank` exited with {self.proc.returncode}: " + (
                 stderr[-800:] or "no output"
             )
@@ -251,30 +254,35 @@ def _start(ssh: SSH, host: RingHost, run_id: str, settings: dict) -> _Rank:
         start_new_session=True,  # Ctrl-C reaches this process, which then stops the ranks
     )
     assert proc.stdin is not None
-    with contextlib.suppress(BrokenPipeError):
-        proc.stdin.write(json.dumps(settings))
-        proc.stdin.close()
+    with contextlib.suppress(BrokenPipeError):  # kept open: the rank lives while it is
+        proc.stdin.write(json.dumps(settings) + "\n")
+        proc.stdin.flush()
     return _Rank(host, proc, stdout, stderr)
 
 
 def _stop(ssh: SSH, ranks: list[_Rank], run_id: str) -> list[str]:
-    """Kill every rank on its host; what could not be stopped."""
+    """Stop every rank still running: closing its stdin makes it kill itself on its host;
+    where its ssh does not end within STOP_WAIT_S (a stuck connection), `ring-stop` over a
+    new one. What could not be stopped."""
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            rank.proc.stdin.close()
+    deadline = time.monotonic() + STOP_WAIT_S
+    while any(r.proc.poll() is None for r in ranks) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    stuck = [r for r in ranks if r.proc.poll() is None]
 
     def stop(rank: _Rank) -> dict:
         args = ["ring-stop", "--run-id", run_id, "--rank", str(rank.host.rank)]
         return hosts_command(ssh, rank.host.node, *args)
 
-    # A rank whose `ring-rank` exited has ended and cleaned up; ssh's own failure may have
-    # left it running there, and one still connecting may not have started yet.
-    live = [r for r in ranks if r.proc.poll() in (None, SSH_FAILED)]
-    results = in_parallel(stop, live)
-    for rank in ranks:
-        if rank.proc.poll() is None:
-            rank.proc.kill()
+    results = in_parallel(stop, stuck)
+    for rank in stuck:
+        rank.proc.kill()
         rank.proc.wait()
     return [
         f"could not stop rank {r.host.rank} on host {r.host.node.ssh!r}: {result}"
-        for r, result in zip(live, results, strict=True)
+        for r, result in zip(stuck, results, strict=True)
         if isinstance(result, BaseException)
     ]
 
@@ -332,9 +340,8 @@ def run_ring_on_hosts(
         answers = _wait(ranks, timeout_s + MARGIN_S)
     except RingHostsError as error:
         failure = error
-    finally:
-        if not answers and ranks:  # failed, timed out or interrupted: no rank stays behind
-            leftovers = _stop(ssh, ranks, run_id)
+    finally:  # failed, timed out or interrupted: no rank stays behind
+        leftovers = _stop(ssh, ranks, run_id)
         for rank in ranks:
             rank.stdout.close()
             rank.stderr.close()

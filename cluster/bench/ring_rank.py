@@ -9,12 +9,16 @@ ring-probe  what the rank will need: this project's version, mlx and mlx-lm impo
 ring-rank   runs `python -m cluster.bench.ring_baseline --worker` with the environment
             `mlx.launch` gives a rank (MLX_RANK, MLX_HOSTFILE: a file holding every rank's
             ip:port), waits for it and prints one JSON object: rank 0's figures read from the
-            file it wrote on this host (no shared filesystem), or the rank's log on failure
-ring-stop   kills a run's rank here (its process group) and deletes its files
+            file it wrote on this host (no shared filesystem), or the rank's log on failure.
+            Its stdin is its lifeline: the settings come as the first line, and when stdin
+            ends (the bench closes it, or the ssh connection is gone) the rank is killed;
+            so is it past the run's deadline
+ring-stop   kills a run's rank here (its process group) and deletes its files: the fallback
+            when closing a rank's stdin does not reach it
 
-The run's settings come on stdin. Everything of a run lives in one directory per run and rank
-under the temp directory, named by the run id, so ring-stop finds exactly what ring-rank
-started. Each command prints one JSON object; nothing here imports MLX except the check.
+Everything of a run lives in one directory per run and rank under the temp directory, named
+by the run id, and goes when the rank ends. Each command prints one JSON object; nothing here
+imports MLX but the probe's check.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +44,7 @@ from cluster import __version__
 RUN_ID = re.compile(r"^[0-9a-f]{8,32}$")
 STOP_WAIT_S = 5.0
 LOG_TAIL_CHARS = 1500
-TOMBSTONE_AGE_S = 3600.0
+POLL_S = 0.1
 
 
 def _answer(**fields: object) -> None:
@@ -126,37 +131,39 @@ def _tail(path: Path) -> str:
         return ""
 
 
-STOPPED = "stopped"  # ring-stop came first: the rank must not start
-
-
 @click.command("ring-rank")
 @click.option("--run-id", required=True)
 @click.option("--rank", type=int, required=True)
 def ring_rank_command(run_id: str, rank: int) -> None:
-    """Run one rank (the run's settings as JSON on stdin) and report how it ended."""
-    settings = json.loads(sys.stdin.read())
+    """Run one rank and report how it ended. Stdin: the run's settings as one JSON line, then
+    kept open: its end (the bench closing it, or the ssh connection gone) stops the rank."""
+    settings = json.loads(sys.stdin.readline() or "null")
+    if settings is None:
+        raise click.ClickException("no settings on stdin (stopped before it started)")
+    hung_up = threading.Event()
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        hung_up.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, lambda *_: hung_up.set())
     directory = run_dir(run_id, rank)
-    worker: subprocess.Popen | None = None
-
-    def stop(*_: object) -> None:  # ring-stop's SIGTERM, or the ssh session hanging up
-        if worker is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-        shutil.rmtree(directory, ignore_errors=True)
-        sys.exit(1)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)
     try:
         directory.mkdir(parents=True)
     except FileExistsError:
-        if (directory / STOPPED).exists():
-            shutil.rmtree(directory, ignore_errors=True)
-            raise click.ClickException("stopped before it started") from None
         raise click.ClickException(f"{directory} exists: a run id used twice") from None
-    pids = directory / "pids.json"
-    pids.write_text(json.dumps({"rank": os.getpid()}))
+    try:
+        answer = _run_rank(rank, settings, directory, hung_up)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    click.echo(json.dumps(answer))
+    if answer["exit"] != 0:
+        sys.exit(1)
+
+
+def _run_rank(rank: int, settings: dict, directory: Path, hung_up: threading.Event) -> dict:
     hostfile = directory / "hostfile.json"
     hostfile.write_text(json.dumps(settings["hostfile"]))
     runs = directory / "runs.json"
@@ -169,8 +176,6 @@ def ring_rank_command(run_id: str, rank: int) -> None:
         "--seed-base", str(settings["seed"]), "--prompt-runs", str(runs),
     ]  # fmt: skip
     env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
-    signals = {signal.SIGTERM, signal.SIGHUP}
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # `worker` is set before stop() runs
     with log.open("w") as log_file:
         worker = subprocess.Popen(
             argv,
@@ -178,34 +183,27 @@ def ring_rank_command(run_id: str, rank: int) -> None:
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: ring-stop and the deadline kill it whole
+            start_new_session=True,  # its own group: stopping kills it whole
         )
-    pids.write_text(json.dumps({"rank": os.getpid(), "worker": worker.pid}))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-    try:
-        code = worker.wait(timeout=float(settings["timeout_s"]))
-    except subprocess.TimeoutExpired:
-        code = None
-    try:
-        if code is None:
+    (directory / "pids.json").write_text(json.dumps({"rank": os.getpid(), "worker": worker.pid}))
+    deadline = time.monotonic() + float(settings["timeout_s"])
+    while (code := worker.poll()) is None:
+        if hung_up.wait(POLL_S) or time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
-        report = json.loads(out.read_text()) if code == 0 and rank == 0 else None
-        connection = os.environ.get("SSH_CONNECTION", "").split()
-        _answer(
-            rank=rank,
-            hostname=socket.gethostname(),
-            ssh_address=connection[2] if len(connection) >= 3 else "",
-            exit=code,
-            timed_out=code is None,
-            report=report,
-            log=_tail(log) if code != 0 else "",
-        )
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    if code != 0:
-        sys.exit(1)
+            break
+    connection = os.environ.get("SSH_CONNECTION", "").split()
+    return {
+        "rank": rank,
+        "hostname": socket.gethostname(),
+        "ssh_address": connection[2] if len(connection) >= 3 else "",
+        "exit": code,
+        "timed_out": code is None and not hung_up.is_set(),
+        "hung_up": code is None and hung_up.is_set(),
+        "report": json.loads(out.read_text()) if code == 0 and rank == 0 else None,
+        "log": _tail(log) if code != 0 else "",
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -238,37 +236,17 @@ def _is_ours(pid: int, run_id: str) -> bool:
         return True
 
 
-def _forget_old_tombstones() -> None:
-    """Tombstones whose rank never came (its ssh died first) go after TOMBSTONE_AGE_S."""
-    for tombstone in Path(tempfile.gettempdir()).glob(f"qwencluster-ring-*/{STOPPED}"):
-        with contextlib.suppress(OSError):
-            if time.time() - tombstone.stat().st_mtime > TOMBSTONE_AGE_S:
-                shutil.rmtree(tombstone.parent, ignore_errors=True)
-
-
 @click.command("ring-stop")
 @click.option("--run-id", required=True)
 @click.option("--rank", type=int, required=True)
 def ring_stop_command(run_id: str, rank: int) -> None:
-    """Kill this run's rank here (worker group first) and delete its files; a rank that has
-    not started yet finds a tombstone and does not start."""
+    """Kill this run's rank here (worker group first) and delete its files: for a rank whose
+    ssh connection is stuck, so that closing its stdin did not reach it."""
     directory = run_dir(run_id, rank)
-    _forget_old_tombstones()
     try:
-        directory.mkdir(parents=True)
-    except FileExistsError:
-        pass
-    else:
-        (directory / STOPPED).touch()
-        _answer(stopped=[], before_start=True)
-        return
-    pids: dict = {}
-    deadline = time.monotonic() + STOP_WAIT_S
-    while not pids and time.monotonic() < deadline and directory.exists():
-        with contextlib.suppress(OSError, ValueError):
-            pids = json.loads((directory / "pids.json").read_text())
-        if not pids:
-            time.sleep(0.05)
+        pids = json.loads((directory / "pids.json").read_text())
+    except (OSError, ValueError):
+        pids = {}
     stopped = []
     worker, ranker = pids.get("worker"), pids.get("rank")
     if worker and _group_alive(worker) and _is_ours(worker, run_id):
@@ -277,18 +255,15 @@ def ring_stop_command(run_id: str, rank: int) -> None:
         stopped.append(worker)
     if ranker and _alive(ranker) and _is_ours(ranker, run_id):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(ranker, signal.SIGTERM)  # it kills a worker started meanwhile
+            os.kill(ranker, signal.SIGKILL)
         stopped.append(ranker)
     deadline = time.monotonic() + STOP_WAIT_S
     while any(_group_alive(p) if p == worker else _alive(p) for p in stopped):
         if time.monotonic() > deadline:
-            for pid in stopped:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
             break
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     shutil.rmtree(directory, ignore_errors=True)
-    _answer(stopped=stopped, before_start=False)
+    _answer(stopped=stopped)
 
 
 RING_COMMANDS = (ring_probe_command, ring_rank_command, ring_stop_command)
