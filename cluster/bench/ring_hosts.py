@@ -106,7 +106,7 @@ def _probe(
     )
 
 
-def _choose_address(host: RingHost, preferred: list[str]) -> RingHost:
+def choose_address(host: RingHost, preferred: list[str]) -> RingHost:
     """For a host the pipeline does not stream to (the head): its address on the network of
     the first of `preferred` it shares one with (the address it streams to itself first, then
     the other ranks'), so that the ring takes the links the pipeline measured best; else the
@@ -161,7 +161,7 @@ def probe_hosts(
         own = {n["node_id"]: _hop_ip(n) for n in pipeline or []}
         chosen = [h.address for h in results if h.address]  # type: ignore[union-attr]
         results = in_parallel(
-            lambda h: _choose_address(h, [own.get(h.node.name, ""), *chosen]), results
+            lambda h: choose_address(h, [own.get(h.node.name, ""), *chosen]), results
         )
         failures = [str(r) for r in results if isinstance(r, BaseException)]
     if failures:
