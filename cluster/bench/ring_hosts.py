@@ -10,12 +10,15 @@ with that installation's Python (`cluster.bench.ring_rank`). Every rank loads it
 layers with mlx-lm's `sharded_load` from the model path of the cluster file, on its own host.
 
 Before anything starts, every host is probed: the project's version, mlx and mlx-lm there,
-the model at that path, its memory, and the ring's address: the node's `address` from the
-cluster file (an interface is resolved on the host) or else the address ssh reached it on,
-never 127.0.0.1, with a port free there. Rank 0 (mlx-lm gives it the last layers) prints its
-figures on its ssh's stdout; no shared filesystem is assumed. When a rank fails or the run
-outlives its deadline, every rank is killed over ssh (`cluster hosts ring-stop`) and the error
-names the host.
+the model at that path, its memory, its addresses and a port free on all of them. Each rank
+listens (never on 127.0.0.1) on the node's `address` from the cluster file (an interface is
+resolved on the host); else where the running pipeline streams to that host (the link its
+predecessor measured best); for the head, on the network of the hop it streams over itself;
+and without a pipeline on the address ssh reached. Rank 0 (mlx-lm gives it the last layers)
+prints its figures on its ssh's stdout; no shared filesystem is assumed. A rank lives as long
+as its ssh's stdin: when a rank fails or the run outlives its deadline, closing every stdin
+kills every rank on its host (`cluster hosts ring-stop` over a new ssh where that does not
+reach), and the error names the host.
 """
 
 from __future__ import annotations
