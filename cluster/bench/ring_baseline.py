@@ -10,7 +10,9 @@ sends the hidden state down the ring and all-gathers the last one. Rank 0 report
 tokens/s (tokens after the first over the time after the first, as `engine_bench` measures;
 stop tokens ignored so every run decodes --max-tokens tokens).
 
-`pipeline_bench` runs this between its rounds and reports our 2-node pipeline over it.
+`pipeline_bench` runs this between its rounds and reports our 2-node pipeline over it. The
+worker also runs each rank of `cluster bench --hosts FILE --baseline ring`, one per host of
+the cluster file (`cluster.bench.ring_hosts`).
 """
 
 from __future__ import annotations
