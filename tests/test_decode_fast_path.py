@@ -78,8 +78,15 @@ def test_fused_compiled_padded_logits_equal_plain(
 def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
     fast = {mtp: run(_generate_all(model_dir, prompts, mtp=mtp)) for mtp in (False, True)}
-    # Batched (the plain ops: compiled steps are for one request's step).
+    # Batched: the plain ops, then the recurrence compiled per batch shape.
     fast["batched"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
+    compiled.set_batches_enabled(True)
+    try:
+        fast["batched, compiled"] = run(
+            _generate_all(model_dir, prompts, mtp=True, concurrent=True)
+        )
+    finally:
+        compiled.set_batches_enabled(None)
     _set_fast_path(False)
     reference = run(_generate_all(model_dir, prompts, mtp=False))
     _set_fast_path(True)
@@ -87,6 +94,7 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
         assert [o.tokens for o in outs] == [o.tokens for o in reference]
     assert 0 < sum(o.accepted for o in fast[True]) < sum(o.drafted for o in fast[True])
     assert sum(o.drafted for o in fast["batched"]) > 0
+    assert sum(o.drafted for o in fast["batched, compiled"]) > 0
 
     # A rejected draft on the compiled path leaves the caches as if never seen.
     shard = load_shard(model_dir, for_decoding=True)

@@ -664,18 +664,21 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
             row["mtp_on"][str(alpha)] = on
         if last and args.concurrent > 1:  # batching in one process, without the hops
-            previous = install_oracle(0.7, seed=3)
-            try:
-                row["concurrent"] = await concurrent_decode(
-                    engine, prompt, args.tokens, args.concurrent
+            # The batch's recurrence as ops (the default), then compiled per batch shape.
+            for key, batch_compiled in (("concurrent", False), ("concurrent_compiled", True)):
+                await worker.run(compiled.set_batches_enabled, batch_compiled)
+                previous = install_oracle(0.7, seed=3)
+                try:
+                    row[key] = await concurrent_decode(engine, prompt, args.tokens, args.concurrent)
+                finally:
+                    restore_decide(previous)
+                    await worker.run(compiled.set_batches_enabled, None)
+                print(
+                    f"  one process, {args.concurrent} concurrent MTP on "
+                    f"(batch recurrence compiled: {batch_compiled}): "
+                    f"{row[key]['aggregate_tps']:.1f} tok/s",
+                    flush=True,
                 )
-            finally:
-                restore_decide(previous)
-            print(
-                f"  one process, {args.concurrent} concurrent MTP on: "
-                f"{row['concurrent']['aggregate_tps']:.1f} tok/s",
-                flush=True,
-            )
         single["variants"][name] = row
         st = row["steps"]
         print(
@@ -1137,13 +1140,14 @@ def summarize(report: dict) -> None:
             row += f" | on a={alpha} {r['median_tps']:.1f} ({r['over_off']:.2f}x)"
         lines.append(row)
         s["single_on_over_off_0.7"] = on / off if on else None
-        if on and "concurrent" in single:
-            c = single["concurrent"]
-            s["single_concurrent_over_one"] = c["aggregate_tps"] / on
-            lines.append(
-                f"  {c['requests']} concurrent MTP on a=0.7: {c['aggregate_tps']:.1f} tok/s, "
-                f"{c['aggregate_tps'] / on:.2f}x one request"
-            )
+        for key in ("concurrent", "concurrent_compiled"):
+            if on and key in single:
+                c = single[key]
+                s[f"single_{key}_over_one"] = c["aggregate_tps"] / on
+                lines.append(
+                    f"  {c['requests']} concurrent MTP on a=0.7 ({key}): "
+                    f"{c['aggregate_tps']:.1f} tok/s, {c['aggregate_tps'] / on:.2f}x one request"
+                )
     lm = report.get("mlx_lm", {}).get("median_tps")
     if lm and off and on:
         s["single_off_over_mlx_lm"] = off / lm

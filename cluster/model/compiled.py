@@ -24,8 +24,8 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = [
-    "MAX_COMPILED_POSITIONS", "compiled", "enabled", "layers_enabled", "set_enabled",
-    "set_layers_enabled",
+    "MAX_COMPILED_POSITIONS", "batches_enabled", "compiled", "enabled", "layers_enabled",
+    "set_batches_enabled", "set_enabled", "set_layers_enabled",
 ]  # fmt: skip
 
 MAX_COMPILED_POSITIONS = 8  # a step of more positions runs the plain ops
@@ -62,6 +62,26 @@ def layers_enabled(positions: int) -> bool:
     if positions > MAX_COMPILED_POSITIONS:
         return False
     return enabled(positions) if _layers_override is None else _layers_override
+
+
+_batches_override: bool | None = None
+
+
+def set_batches_enabled(on: bool | None) -> None:
+    """Force the compiled recurrence for batches of requests on or off; None: the default."""
+    global _batches_override
+    _batches_override = on
+
+
+def batches_enabled(positions: int) -> bool:
+    """Whether a batch of several requests runs its GatedDeltaNet recurrence (`gdn_core`) as
+    one compiled call. Its trace is shared by every layer (weights are inputs, not constants)
+    and made once per (requests, positions) shape, so batch sizes coming and going cost a
+    trace each, not one per layer. Off unless forced: to be decided by measurement on a GPU
+    (BENCHMARKS.md, issue 10)."""
+    if positions > MAX_COMPILED_POSITIONS:
+        return False
+    return bool(_batches_override)
 
 
 @functools.cache

@@ -94,9 +94,8 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         # Record the state after each confirmed prefix: a rejected draft restores one of those.
         snapshot_at = tuple(range(n_confirmed, length))
         dims = self.dims
-        # One request only: batches of 8 through 2 nodes ran at a sixth of their speed with
-        # compiled steps (BENCHMARKS.md, issue 10, runs F and G); not explained yet.
-        if compiled.enabled(length) and len(segs) == 1:
+        one = len(segs) == 1
+        if (one and compiled.enabled(length)) or (not one and compiled.batches_enabled(length)):
             core = compiled.compiled(gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=False)
         else:
             core = functools.partial(
