@@ -77,11 +77,12 @@ def batches_enabled(positions: int) -> bool:
     """Whether a batch of several requests runs its GatedDeltaNet recurrence (`gdn_core`) as
     one compiled call. Its trace is shared by every layer (weights are inputs, not constants)
     and made once per (requests, positions) shape, so batch sizes coming and going cost a
-    trace each, not one per layer. Off unless forced: to be decided by measurement on a GPU
-    (BENCHMARKS.md, issue 10)."""
+    trace each, not one per layer. On where compiled steps are (CUDA): 8 concurrent requests
+    in one process ran 4.2x one request's tokens/s with it, 1.0x without (BENCHMARKS.md,
+    issue 10)."""
     if positions > MAX_COMPILED_POSITIONS:
         return False
-    return bool(_batches_override)
+    return enabled(positions) if _batches_override is None else _batches_override
 
 
 @functools.cache
