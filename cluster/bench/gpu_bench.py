@@ -604,6 +604,7 @@ VARIANTS = (
     ("fused+compiled+padded", True, True, False, True),
     ("fused+compiled-layers", True, True, True, False),
 )
+WARM_BATCH_TOKENS = 32  # an untimed batch before each timed one (see `single_process`)
 DEFAULT_VARIANTS = ("plain", "fused", "fused+compiled", "fused+compiled-layers")
 
 
@@ -666,7 +667,18 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
         if last and args.concurrent > 1:  # batching in one process, without the hops
             # The batch's recurrence compiled per batch shape (the CUDA default) and as plain
             # ops, alternated so that neither gains from going second.
+            # The first batch of each shape pays one-time costs (kernels built, buffers
+            # allocated: 45 tok/s against 140-193 warm, BENCHMARKS.md issue 10), so each
+            # setting decodes one short batch first, untimed.
             runs: dict[str, list[dict]] = {"concurrent_compiled": [], "concurrent": []}
+            for batch_compiled in (True, False):
+                await worker.run(compiled.set_batches_enabled, batch_compiled)
+                previous = install_oracle(0.7, seed=3)
+                try:
+                    await concurrent_decode(engine, prompt, WARM_BATCH_TOKENS, args.concurrent)
+                finally:
+                    restore_decide(previous)
+                    await worker.run(compiled.set_batches_enabled, None)
             for batch_compiled in (True, False, True, False):
                 key = "concurrent_compiled" if batch_compiled else "concurrent"
                 await worker.run(compiled.set_batches_enabled, batch_compiled)
@@ -797,6 +809,8 @@ async def node_pipeline(
                 print(f"  {nodes} nodes {key}: {row[key]['median_tps']:.1f} tok/s", flush=True)
             row["on_over_off"] = row["mtp_on"]["median_tps"] / row["mtp_off"]["median_tps"]
             if args.concurrent > 1:
+                # untimed first: the first batch of each shape pays one-time costs
+                await concurrent_decode(remote.engine, prompt, WARM_BATCH_TOKENS, args.concurrent)
                 row["concurrent"] = await concurrent_decode(
                     remote.engine, prompt, args.tokens, args.concurrent
                 )
