@@ -77,9 +77,9 @@ def batches_enabled(positions: int) -> bool:
     """Whether a batch of several requests runs its GatedDeltaNet recurrence (`gdn_core`) as
     one compiled call. Its trace is shared by every layer (weights are inputs, not constants)
     and made once per (requests, positions) shape, so batch sizes coming and going cost a
-    trace each, not one per layer. On where compiled steps are (CUDA): 8 concurrent requests
-    in one process ran 4.2x one request's tokens/s with it, 1.0x without (BENCHMARKS.md,
-    issue 10)."""
+    trace each, not one per layer. On where compiled steps are (CUDA), for a small measured
+    gain: 8 concurrent requests in one process (27B shape, H200, warm) decoded 152-193 tok/s
+    in all with it, 141-172 without (BENCHMARKS.md, issue 10, runs I and J)."""
     if positions > MAX_COMPILED_POSITIONS:
         return False
     return enabled(positions) if _batches_override is None else _batches_override
