@@ -8,6 +8,7 @@ state. All MLX work runs on one worker thread; the event loop only moves message
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import platform
@@ -144,6 +145,10 @@ class NodeService(pb_grpc.NodeServicer):
             if self.stage:
                 await self.stage.close()
                 self.stage = None
+                # The old shard's weights can sit in reference cycles (a stage and its task,
+                # a layer and its compiled steps): free them before loading the next shard, so
+                # that a node never holds two shards' weights at once.
+                gc.collect()
             try:
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
