@@ -232,7 +232,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
         await client.start_server()
         try:
             messages = [{"role": "user", "content": "Show me the source of a stack"}]
-            body = {"messages": messages, "max_tokens": 8}
+            # Greedy: a sampled answer that began with a newline would re-tokenize differently
+            # in the next turn (merged with the template's newline), and miss the cache there.
+            body = {"messages": messages, "max_tokens": 8, "temperature": 0}
             pipeline = coordinator.pipeline
             first = await (await client.post("/v1/chat/completions", json=body)).json()
             assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first
@@ -244,7 +246,7 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": "And a queue?"},
             ]
-            body = {"messages": messages, "max_tokens": 8}
+            body = {"messages": messages, "max_tokens": 8, "temperature": 0}
             second = await (await client.post("/v1/chat/completions", json=body)).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
             # (A re-placement in between, after a missed heartbeat, would start a new index.)

@@ -206,22 +206,13 @@ def _run_rank(rank: int, settings: dict, directory: Path, hung_up: threading.Eve
     }
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, *, group: bool = False) -> bool:
+    """Whether the process (or the process group, `group`) still exists."""
     try:
-        os.kill(pid, 0)
+        (os.killpg if group else os.kill)(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except PermissionError:  # it exists, under another user
         return True
     return True
 
@@ -249,7 +240,7 @@ def ring_stop_command(run_id: str, rank: int) -> None:
         pids = {}
     stopped = []
     worker, ranker = pids.get("worker"), pids.get("rank")
-    if worker and _group_alive(worker) and _is_ours(worker, run_id):
+    if worker and _alive(worker, group=True) and _is_ours(worker, run_id):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(worker, signal.SIGKILL)
         stopped.append(worker)
@@ -258,7 +249,7 @@ def ring_stop_command(run_id: str, rank: int) -> None:
             os.kill(ranker, signal.SIGKILL)
         stopped.append(ranker)
     deadline = time.monotonic() + STOP_WAIT_S
-    while any(_group_alive(p) if p == worker else _alive(p) for p in stopped):
+    while any(_alive(p, group=p == worker) for p in stopped):
         if time.monotonic() > deadline:
             break
         time.sleep(POLL_S)
