@@ -147,19 +147,21 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     the_lab = hostlab.HostLab(directory / "lab").start()
-    up = None
+    state: Lab | None = None
     try:
         command = the_lab.cluster_command()
         cluster_file = write_cluster_file(
             directory / "cluster.toml", the_lab, lab_nodes(the_lab, command)
         )
         up = start_up(cluster_file, directory / "up.log")
+        state = Lab(the_lab, cluster_file, command, up, {})
         out, _ = reference.communicate(timeout=60)
-        yield Lab(the_lab, cluster_file, command, up, json.loads(out))
+        state.reference = json.loads(out)
+        yield state
     finally:
         reference.kill()
-        if up is not None:
-            up.stop()
+        if state is not None:  # the `up` of the moment: tests start it again with other files
+            state.up.stop()
         if (directory / "cluster.toml").exists():
             cluster("down", "--hosts", str(directory / "cluster.toml"))
         the_lab.close()
