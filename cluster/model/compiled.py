@@ -4,9 +4,10 @@ On MLX CUDA a decode step is bound by the host: Python builds each op's graph no
 backend launches one kernel per op. GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal
 has mlx-lm's fused kernel) is some 30 small ops per layer and position. Compiled, a layer's
 step is one call that replays a traced graph in C++ with its elementwise chains fused into a
-few kernels. A compiled function is traced once per input shape, so only one request's step
-of a few positions (decode, verify) takes this path; a prefill chunk and a batch of requests
-run the plain ops.
+few kernels. A compiled function is traced once per input shape, so only steps of a few
+positions (decode, verify) take this path: one request's whole GatedDeltaNet layer
+(`layers_enabled`), or a batch's recurrence, one trace per (requests, positions) shape shared
+by every layer (`batches_enabled`). A prefill chunk runs the plain ops.
 
 Whether it is on is decided per backend (`enabled`): on for CUDA, where it took the 27B-shape
 backbone's one-token graph build from 17.2 to 15.1 ms (BENCHMARKS.md, issue 10); off on Metal
@@ -79,7 +80,7 @@ def batches_enabled(positions: int) -> bool:
     and made once per (requests, positions) shape, so batch sizes coming and going cost a
     trace each, not one per layer. On where compiled steps are (CUDA), for a small measured
     gain: 8 concurrent requests in one process (27B shape, H200, warm) decoded 152-193 tok/s
-    in all with it, 141-172 without (BENCHMARKS.md, issue 10, runs I and J)."""
+    in all with it, 141-172 without (BENCHMARKS.md, issue 10, runs J and K)."""
     if positions > MAX_COMPILED_POSITIONS:
         return False
     return enabled(positions) if _batches_override is None else _batches_override
