@@ -604,7 +604,7 @@ VARIANTS = (
     ("fused+compiled+padded", True, True, False, True),
     ("fused+compiled-layers", True, True, True, False),
 )
-WARM_BATCH_TOKENS = 32  # an untimed batch before each timed one (see `single_process`)
+WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
 DEFAULT_VARIANTS = ("plain", "fused", "fused+compiled", "fused+compiled-layers")
 
 
@@ -665,42 +665,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
             row["mtp_on"][str(alpha)] = on
         if last and args.concurrent > 1:  # batching in one process, without the hops
-            # The batch's recurrence compiled per batch shape (the CUDA default) and as plain
-            # ops, alternated so that neither gains from going second.
-            # The first batch of each shape pays one-time costs (kernels built, buffers
-            # allocated: 45 tok/s against 140-193 warm, BENCHMARKS.md issue 10), so each
-            # setting decodes one short batch first, untimed.
-            runs: dict[str, list[dict]] = {"concurrent_compiled": [], "concurrent": []}
-            for batch_compiled in (True, False):
-                await worker.run(compiled.set_batches_enabled, batch_compiled)
-                previous = install_oracle(0.7, seed=3)
-                try:
-                    await concurrent_decode(engine, prompt, WARM_BATCH_TOKENS, args.concurrent)
-                finally:
-                    restore_decide(previous)
-                    await worker.run(compiled.set_batches_enabled, None)
-            for batch_compiled in (True, False, True, False):
-                key = "concurrent_compiled" if batch_compiled else "concurrent"
-                await worker.run(compiled.set_batches_enabled, batch_compiled)
-                previous = install_oracle(0.7, seed=3)
-                try:
-                    runs[key].append(
-                        await concurrent_decode(engine, prompt, args.tokens, args.concurrent)
-                    )
-                finally:
-                    restore_decide(previous)
-                    await worker.run(compiled.set_batches_enabled, None)
-                print(
-                    f"  one process, {args.concurrent} concurrent MTP on (batch recurrence "
-                    f"compiled: {batch_compiled}): {runs[key][-1]['aggregate_tps']:.1f} tok/s",
-                    flush=True,
-                )
-            for key, attempts in runs.items():
-                row[key] = {
-                    "requests": args.concurrent,
-                    "runs": attempts,
-                    "aggregate_tps": median([a["aggregate_tps"] for a in attempts]),
-                }
+            row.update(await _one_process_batches(args, worker, engine, prompt))
         single["variants"][name] = row
         st = row["steps"]
         print(
@@ -716,6 +681,58 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
     await worker.run(_set_variant, None, None, None)
     await worker.run(free_memory)
     worker.close()
+
+
+async def _batch_at_alpha(
+    worker: MLXWorker,
+    engine: GenerationEngine,
+    prompt: tuple[int, ...],
+    tokens: int,
+    requests: int,
+    batch_compiled: bool,
+) -> dict:
+    """`concurrent_decode` with the oracle accepting at 0.7 and the batch path chosen."""
+    await worker.run(compiled.set_batches_enabled, batch_compiled)
+    previous = install_oracle(0.7, seed=3)
+    try:
+        return await concurrent_decode(engine, prompt, tokens, requests)
+    finally:
+        restore_decide(previous)
+        await worker.run(compiled.set_batches_enabled, None)
+
+
+async def _one_process_batches(
+    args, worker: MLXWorker, engine: GenerationEngine, prompt: tuple[int, ...]
+) -> dict:
+    """`--concurrent` requests at once in one process, with the batch's recurrence compiled
+    per batch shape (the CUDA default) and as plain ops, alternated so that neither gains from
+    going second. The first batch of each shape pays one-time costs (kernels built, buffers
+    allocated: 45 tok/s against 140-193 warm in BENCHMARKS.md, issue 10), so each path first
+    decodes a short batch whose figure is kept apart as `first_batch`."""
+    keys = {True: "concurrent_compiled", False: "concurrent"}
+    first = {
+        on: await _batch_at_alpha(worker, engine, prompt, WARM_BATCH_TOKENS, args.concurrent, on)
+        for on in keys
+    }
+    runs: dict[bool, list[dict]] = {on: [] for on in keys}
+    for on in (True, False, True, False):
+        runs[on].append(
+            await _batch_at_alpha(worker, engine, prompt, args.tokens, args.concurrent, on)
+        )
+        print(
+            f"  one process, {args.concurrent} concurrent MTP on (batch recurrence compiled: "
+            f"{on}): {runs[on][-1]['aggregate_tps']:.1f} tok/s",
+            flush=True,
+        )
+    return {
+        keys[on]: {
+            "requests": args.concurrent,
+            "runs": runs[on],
+            "aggregate_tps": median([r["aggregate_tps"] for r in runs[on]]),
+            "first_batch": first[on],
+        }
+        for on in keys
+    }
 
 
 def build_profile(shard: ModelShard, prompt: tuple[int, ...], steps: int = 20) -> dict:
@@ -809,11 +826,14 @@ async def node_pipeline(
                 print(f"  {nodes} nodes {key}: {row[key]['median_tps']:.1f} tok/s", flush=True)
             row["on_over_off"] = row["mtp_on"]["median_tps"] / row["mtp_off"]["median_tps"]
             if args.concurrent > 1:
-                # untimed first: the first batch of each shape pays one-time costs
-                await concurrent_decode(remote.engine, prompt, WARM_BATCH_TOKENS, args.concurrent)
+                # A short batch first, kept apart: the first batch of a shape pays one-time costs.
+                first = await concurrent_decode(
+                    remote.engine, prompt, WARM_BATCH_TOKENS, args.concurrent
+                )
                 row["concurrent"] = await concurrent_decode(
                     remote.engine, prompt, args.tokens, args.concurrent
                 )
+                row["concurrent"]["first_batch"] = first
                 print(
                     f"  {nodes} nodes, {args.concurrent} concurrent MTP on: "
                     f"{row['concurrent']['aggregate_tps']:.1f} tok/s",
@@ -1170,7 +1190,8 @@ def summarize(report: dict) -> None:
                 s[f"single_{key}_over_one"] = c["aggregate_tps"] / on
                 lines.append(
                     f"  {c['requests']} concurrent MTP on a=0.7 ({key}): "
-                    f"{c['aggregate_tps']:.1f} tok/s, {c['aggregate_tps'] / on:.2f}x one request"
+                    f"{c['aggregate_tps']:.1f} tok/s, {c['aggregate_tps'] / on:.2f}x one request "
+                    f"(the first batch: {c['first_batch']['aggregate_tps']:.1f} tok/s)"
                 )
     lm = report.get("mlx_lm", {}).get("median_tps")
     if lm and off and on:
@@ -1206,7 +1227,8 @@ def summarize(report: dict) -> None:
             s[f"nodes{n}_concurrent_over_one"] = c["aggregate_tps"] / b
             lines.append(
                 f"  {c['requests']} concurrent MTP on: {c['aggregate_tps']:.1f} tok/s, "
-                f"{c['aggregate_tps'] / b:.2f}x one request"
+                f"{c['aggregate_tps'] / b:.2f}x one request (the first batch: "
+                f"{c['first_batch']['aggregate_tps']:.1f} tok/s)"
             )
     for attempt in report.get("mlx_pipeline", []):
         how = "comm on CPU stream" if attempt["cpu_comm"] else "as is"
