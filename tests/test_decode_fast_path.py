@@ -125,3 +125,35 @@ def test_moe_fast_path_greedy_identity(tmp_path, fast_path) -> None:
     reference = run(_generate_all(path, prompts, mtp=False))
     assert [o.tokens for o in fast] == [o.tokens for o in reference]
     assert sum(o.drafted for o in fast) > 0
+
+
+def test_compiled_batch_rejected_drafts_are_undone_exactly(model_dir, tokenizer, fast_path) -> None:
+    """Two requests in one step of the same shape run the batch's compiled recurrence; both
+    drafts rejected, every cache equals a run that never saw them."""
+    compiled.set_batches_enabled(True)
+    try:
+        shard = load_shard(model_dir, for_decoding=True)
+        prompts = [tuple(tokenizer.encode(p)) for p in CODE_PROMPTS[:2]]
+        drafted, clean = ShardRunner(shard), ShardRunner(shard)
+        firsts = [_prefill(drafted, f"r{i}", p) for i, p in enumerate(prompts)]
+        assert [_prefill(clean, f"r{i}", p) for i, p in enumerate(prompts)] == firsts
+        wrong = [
+            StepRequest(f"r{i}", (f.tokens[0], (f.drafts[0] + 1) % 8192), len(p), draft_len=1)
+            for i, (f, p) in enumerate(zip(firsts, prompts, strict=True))
+        ]
+        rejected = drafted.run(wrong).results
+        assert [(r.keep, r.accepted) for r in rejected] == [(1, 0), (1, 0)]
+        alone = clean.run(
+            [StepRequest(s.request_id, s.tokens[:1], s.position) for s in wrong]
+        ).results
+        assert [(r.tokens, r.drafts) for r in rejected] == [(r.tokens, r.drafts) for r in alone]
+        following = [
+            StepRequest(s.request_id, r.tokens, s.position + 1)
+            for s, r in zip(wrong, alone, strict=True)
+        ]
+        carried = [StepRequest(s.request_id, s.tokens, s.position, rollback=1) for s in following]
+        assert drafted.run(carried).results == clean.run(following).results
+        for i in range(2):
+            _assert_same_caches(drafted.requests[f"r{i}"].cache, clean.requests[f"r{i}"].cache)
+    finally:
+        compiled.set_batches_enabled(None)
