@@ -121,10 +121,16 @@ def test_moe_fast_path_greedy_identity(tmp_path, fast_path) -> None:
     path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
     prompts = [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     fast = run(_generate_all(path, prompts, mtp=True))
+    compiled.set_batches_enabled(True)
+    try:  # the two requests batched, their recurrence compiled per batch shape
+        batched = run(_generate_all(path, prompts, mtp=True, concurrent=True))
+    finally:
+        compiled.set_batches_enabled(None)
     _set_fast_path(False)
     reference = run(_generate_all(path, prompts, mtp=False))
     assert [o.tokens for o in fast] == [o.tokens for o in reference]
-    assert sum(o.drafted for o in fast) > 0
+    assert [o.tokens for o in batched] == [o.tokens for o in reference]
+    assert sum(o.drafted for o in fast) > 0 and sum(o.drafted for o in batched) > 0
 
 
 def test_compiled_batch_rejected_drafts_are_undone_exactly(model_dir, tokenizer, fast_path) -> None:
