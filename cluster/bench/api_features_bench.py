@@ -29,6 +29,7 @@ from typing import Any
 from cluster.bench.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
+    bench_parser,
     default_model,
     encode,
     load_tokenizer,
@@ -132,13 +133,7 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.api_features_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("api_features_bench", __doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ shared machine falls on all of them alike, and reports medians.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -177,3 +178,20 @@ def stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def bench_parser(
+    module: str, description: str | None, *, json: bool = True, model: bool = True
+) -> argparse.ArgumentParser:
+    """The parser a `python -m cluster.bench.<module>` script starts from: its docstring as the
+    help, `--json OUT` and `--model DIR` (the bundled model by default)."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m cluster.bench.{module}",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    if json:
+        parser.add_argument("--json", help="write the results here")
+    if model:
+        parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    return parser

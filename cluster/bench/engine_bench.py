@@ -32,7 +32,6 @@ bits, on the same prompts and seeds.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import sys
@@ -46,6 +45,7 @@ import mlx.core as mx
 from cluster.bench.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
+    bench_parser,
     default_model,
     encode,
     load_tokenizer,
@@ -375,13 +375,7 @@ def print_report(summary: dict, steps: dict, quant: dict, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.engine_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("engine_bench", __doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=len(CODE_PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=96)

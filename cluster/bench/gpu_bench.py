@@ -56,7 +56,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from cluster.bench.common import free_port, machine, median, spread, write_json
+from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
 from cluster.bench.oracle_node import install_oracle, restore_decide
 from cluster.config import ModelConfig, load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
@@ -1252,11 +1252,7 @@ def _fmt(values: list[float]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.gpu_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("gpu_bench", __doc__, json=False, model=False)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_5_27b")
     parser.add_argument("--bits", type=int, choices=(4, 8, 16), default=4, help="16: bf16")
     parser.add_argument("--group-size", type=int, default=64)

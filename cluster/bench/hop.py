@@ -23,7 +23,6 @@ the run to two cores (`taskset -c 2,3`) to time the transports rather than idle-
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -46,6 +45,7 @@ import numpy as np
 from google.protobuf import wrappers_pb2
 
 from cluster import wire
+from cluster.bench.common import bench_parser
 from cluster.messages import StepRequest
 from proto import cluster_pb2 as pb
 
@@ -429,12 +429,7 @@ def _report(tuned: Setup, timing, loop: str, rows: list[Row], ablation: list[Row
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.hop",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
+    parser = bench_parser("hop", __doc__, model=False)
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
     parser.add_argument("--iters", type=int, default=500, help="round trips per round")
     parser.add_argument("--warmup", type=int, default=300)

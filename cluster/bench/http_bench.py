@@ -32,7 +32,6 @@ batching ceiling) and the engine's whole-model shard with MTP and without.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import random
@@ -51,6 +50,7 @@ from cluster.bench.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
     LocalNodes,
+    bench_parser,
     default_model,
     load_tokenizer,
     machine,
@@ -395,13 +395,7 @@ def print_report(summary: dict, batch_cost: dict, placed: list[dict], args) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.http_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("http_bench", __doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--levels", default="1,2,4,8")

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.bench.common import default_model, machine, median, write_json
+from cluster.bench.common import bench_parser, default_model, machine, median, write_json
 
 CASES = (("head [0, 3)", 0, 3), ("tail [3, 8)", 3, 8), ("whole [0, 8)", 0, 8))
 
@@ -140,13 +140,7 @@ def print_report(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.memory_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("memory_bench", __doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-quantized", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -21,7 +21,6 @@ n - 1 hops, tail -> driver), so (step time over n nodes - step time in process) 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import random
@@ -37,6 +36,7 @@ from cluster.bench.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
     LocalNodes,
+    bench_parser,
     default_model,
     encode,
     load_tokenizer,
@@ -282,13 +282,7 @@ def print_report(summary: dict, hops: list[dict], args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.pipeline_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("pipeline_bench", __doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)

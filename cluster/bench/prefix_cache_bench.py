@@ -13,7 +13,6 @@ engines are compared (the cache must not change them).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from cluster.bench.common import (
     CODE_PROMPTS,
     LocalNodes,
+    bench_parser,
     default_model,
     load_tokenizer,
     machine,
@@ -115,13 +115,7 @@ def summarize(samples: list[dict], lengths: list[int]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.prefix_cache_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("prefix_cache_bench", __doc__)
     parser.add_argument("--history", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=4)

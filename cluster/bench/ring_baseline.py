@@ -29,6 +29,7 @@ from pathlib import Path
 from cluster.bench.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
+    bench_parser,
     default_model,
     free_port,
     machine,
@@ -207,13 +208,7 @@ def bench_runs(model, tokenizer, prompt_runs: list, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.ring_baseline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("ring_baseline", __doc__)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(CODE_PROMPTS))

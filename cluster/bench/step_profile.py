@@ -15,7 +15,6 @@ with the rest, to decide that switch by measurement on each backend.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -23,7 +22,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from cluster.bench.common import default_model, load_tokenizer, machine, median, write_json
+from cluster.bench.common import (
+    bench_parser,
+    default_model,
+    load_tokenizer,
+    machine,
+    median,
+    write_json,
+)
 from cluster.bench.http_bench import TEXT_PROMPTS, _Batch
 from cluster.config import load_model_config
 from cluster.decode.runner import ShardRunner
@@ -104,13 +110,7 @@ def profile(model_dir: Path, batch: int, iters: int, compiled_batches: bool = Fa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.step_profile",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser = bench_parser("step_profile", __doc__)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument(
