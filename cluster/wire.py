@@ -11,11 +11,16 @@ zero stays zero (temperature 0 is greedy). Invalid values surface as `RequestErr
 the dataclasses) or `WireError` (a malformed tensor, an unencodable value).
 
 This is on the per-token path (`python -m cluster.bench.hop` times it): a decode step's encode
-plus decode costs about 12 us, so the functions stay plain loops over the fields.
+plus decode costs about 12 us, so the functions stay plain loops over the fields. A node sends
+its successor `step_batch_bytes`: the serialized message, built with the hidden states copied
+once. Through a protobuf message they are copied three times, into fresh buffers each time:
+encoding a 2048-position step of a 5120-wide model took 44 ms that way on the CPU build (page
+faults, mostly), 1.5 ms with `step_batch_bytes`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import grpc
@@ -37,6 +42,7 @@ __all__ = [
     "results_to_proto",
     "sampling_from_proto",
     "sampling_to_proto",
+    "step_batch_bytes",
     "step_batch_from_proto",
     "step_batch_to_proto",
     "tensor_from_proto",
@@ -253,6 +259,67 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
     ]
     hidden = tensor_from_proto(msg.hidden) if msg.HasField("hidden") else None
     return entries, hidden, msg.sequence
+
+
+def step_batch_bytes(
+    entries: list[StepRequest], hidden: mx.array | None, sequence: int, epoch: int = 0
+) -> bytes:
+    """`step_batch_to_proto(...).SerializeToString()`, byte for byte, with `hidden`'s bytes
+    copied once, straight into the result (send it on a stream whose serializer passes bytes).
+
+    Protobuf serializes the fields in field-number order, each key + length + bytes, so the
+    small fields go through protobuf and only the tensor's data is placed by hand.
+    """
+    # StepBatch: entries (1), hidden (2), sequence (3), epoch (170); proto3 writes no zeros.
+    head = step_batch_to_proto(entries, None, 0).SerializeToString()
+    tail = _uint64_field(_SEQUENCE_KEY, sequence) + _uint64_field(_EPOCH_KEY, epoch)
+    if hidden is None:
+        return head + tail
+    data = memoryview(hidden)  # evaluates a lazy array
+    if not data.c_contiguous:
+        data = memoryview(data.tobytes())  # row-major, as tensor_to_proto sends it
+    # Tensor: data (1), dtype (2), shape (3); proto3 writes no empty bytes field.
+    data_key = _TENSOR_DATA_KEY + _varint(data.nbytes) if data.nbytes else b""
+    dtype_shape = _tensor_dtype_shape(hidden.dtype, hidden.shape)
+    tensor_size = len(data_key) + data.nbytes + len(dtype_shape)
+    hidden_key = _STEP_BATCH_HIDDEN_KEY + _varint(tensor_size)
+    return b"".join((head, hidden_key, data_key, data, dtype_shape, tail))
+
+
+def _uint64_field(key: bytes, value: int) -> bytes:
+    if not 0 <= value < 1 << 64:
+        raise WireError(f"{value} is out of the range of a uint64 field")
+    return key + _varint(value) if value else b""
+
+
+@functools.lru_cache(maxsize=64)  # a decode step's shape repeats token after token
+def _tensor_dtype_shape(dtype: mx.Dtype, shape: tuple[int, ...]) -> bytes:
+    """The serialized dtype and shape fields of a `Tensor`."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"tensor dtype {dtype} is not one of {sorted(_DTYPES)}")
+    return pb.Tensor(dtype=name, shape=shape).SerializeToString()
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _key(message: type, field: str, wire_type: int) -> bytes:
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
+
+
+# wire types: 0 varint, 2 length-delimited
+_STEP_BATCH_HIDDEN_KEY = _key(pb.StepBatch, "hidden", 2)
+_SEQUENCE_KEY = _key(pb.StepBatch, "sequence", 0)
+_EPOCH_KEY = _key(pb.StepBatch, "epoch", 0)
+_TENSOR_DATA_KEY = _key(pb.Tensor, "data", 2)
 
 
 # ---- the results stream ----

@@ -27,17 +27,18 @@ from cluster.messages import RequestError, StepRequest, UnknownRequestError
 from cluster.wire import (
     WireError,
     results_to_proto,
+    step_batch_bytes,
     step_batch_from_proto,
-    step_batch_to_proto,
 )
 from node.auth import TLSConfig, open_channel, token_metadata
 from node.hop_probe import HopProbe
 from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 Reply = Callable[[pb.StepEvent], None]
+# The Node service's Steps method, for a stream that sends pre-serialized StepBatch bytes.
+STEPS_METHOD = "/{}/Steps".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
 
 
 def status_of(error: Exception) -> grpc.StatusCode:
@@ -83,6 +84,14 @@ class _Inbound:
     request_ids: frozenset[str]
 
 
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """A step for the successor, serialized on the MLX worker (`step_batch_bytes`)."""
+
+    payload: bytes
+    request_ids: list[str]
+
+
 @dataclass(slots=True)
 class StageStats:
     messages_in: int = 0
@@ -96,7 +105,8 @@ class StageStats:
 
 
 class Downstream:
-    """The long-lived step stream to the successor, reopened if it breaks."""
+    """The long-lived step stream to the successor, reopened if it breaks. It sends the
+    StepBatch serialized already (`step_batch_bytes`): gRPC passes the bytes on as they are."""
 
     def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
         self.address = address
@@ -105,13 +115,15 @@ class Downstream:
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
 
-    async def send(self, message: pb.StepBatch) -> None:
+    async def send(self, payload: bytes) -> None:
         if self._call is None or self._call.done():
             await self.close()
             self._channel = open_channel(self.address, self._tls)
-            stub = pb_grpc.NodeStub(self._channel)
-            self._call = stub.Steps(metadata=token_metadata(self._token))
-        await self._call.write(message)
+            steps = self._channel.stream_stream(
+                STEPS_METHOD, response_deserializer=pb.StepEvent.FromString
+            )
+            self._call = steps(metadata=token_metadata(self._token))
+        await self._call.write(payload)
 
     async def close(self) -> None:
         if self._call is not None:
@@ -214,19 +226,17 @@ class Stage:
             self.subscribers.publish(output)
             return
         try:
-            await self.downstream.send(output)
+            await self.downstream.send(output.payload)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, OSError) as error:
             await self.downstream.close()
-            rids = [entry.request_id for entry in output.entries]
+            rids = output.request_ids
             message = f"next node {self.downstream.address} is unreachable: {error}"
             log.warning(message)
             self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message, self.epoch)
 
     def _compute(
         self, batch: list[_Inbound]
-    ) -> tuple[
-        pb.StepBatch | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]
-    ]:
+    ) -> tuple[_Forward | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]]:
         """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
         the shard no longer holds."""
         errors: list[tuple[str, grpc.StatusCode, str]] = []
@@ -260,7 +270,8 @@ class Stage:
             return None, errors, dropped
         if out.hidden is None:
             return results_to_proto(out.results, [], self.epoch), errors, dropped
-        return step_batch_to_proto(out.steps, out.hidden, 0, self.epoch), errors, dropped
+        payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
+        return _Forward(payload, [step.request_id for step in out.steps]), errors, dropped
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

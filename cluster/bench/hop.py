@@ -1,24 +1,38 @@
 """The cost of one pipeline hop on loopback, by framing: which one the step stream should use.
 
     python -m cluster.bench.hop --json out.json [--rounds 6 --iters 500] [--ablate] [--uvloop]
+        [--variants proto,grpc,...] [--shapes 1x2x5120 1x512x5120]
 
 An echo server runs in a child process (a node is its own process); the client sends a
 decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
 is half the round trip, and each way does a hop's real work:
 
-  proto    grpc.aio bidi stream of `StepBatch`: encode, send, decode (entries + mx.array) on
-           the server, re-encode, reply, decode on the client (`cluster.wire`)
-  msgpack  the same stream and work, the step framed with msgpack inside a bytes field
-  grpc     grpc.aio bidi stream echoing raw bytes (the serialized step), no codec
-  tcp      asyncio TCP echo of the same bytes, length-prefixed, no codec
+  proto      grpc.aio bidi stream of `StepBatch`, as between nodes: the sender serializes with
+             `wire.step_batch_bytes`, the receiver parses (`StepBatch.FromString`) and decodes
+             (entries + mx.array); the server re-encodes its own output for the reply
+  proto-msg  the same, the step handed to gRPC as a message (`wire.step_batch_to_proto`, gRPC
+             serializes it): the nodes' encode before `step_batch_bytes`, three copies of the
+             hidden states instead of one
+  msgpack    the same stream and work, the step framed with msgpack inside a bytes field
+  grpc       grpc.aio bidi stream echoing raw bytes (the serialized step), no codec
+  grpc+busy  the grpc echo plus, at each end, a busy loop as long as one hop's codec (the
+             codec variant, timed first): the codec's CPU time with none of its memory traffic
+  tcp        asyncio TCP echo of the same bytes, length-prefixed, no codec
   tcp+proto  the proto variant's work over that TCP framing instead of gRPC
-  codec    `cluster.wire` encode + decode of the step alone, no network (per hop)
+  codec      `cluster.wire` encode + parse + decode of the step alone, no network (per hop)
+  codec-cold the codec variant with the thread asleep 100 us before each hop (not timed), as
+             a hop's codec runs: on a thread that has just woken
 
-Every variant runs on its own long-lived stream and all are timed in interleaved rounds, so
-background load hits them alike. `--ablate` also times the proto stream under gRPC defaults
-and with each tuned option left out or one added (a server process per setting; gRPC may log
-the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR quiets it). On a many-core machine, pin
-the run to two cores (`taskset -c 2,3`) to time the transports rather than idle-core wakeups.
+Compare proto - grpc with grpc+busy - grpc, and codec-cold with codec: how much of a hop's
+codec cost comes from running cold (caches and branch history lost to other threads' work
+while it waited) rather than from its own CPU time. Every variant runs on its own long-lived
+stream and all are timed in interleaved rounds, in a new shuffled order each round, so
+background load and what ran just before hit them alike; codec-cold's rounds come after the
+others' (its sleeps slow whatever runs next for a while). `--ablate` also times the proto
+stream under gRPC defaults and with each tuned option left out or one added (a server process
+per setting; gRPC may log the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR quiets it). On
+a many-core machine, pin the run to two cores (`taskset -c 2,3`) to time the transports
+rather than idle-core wakeups.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import socket
 import struct
 import sys
@@ -50,7 +65,11 @@ from cluster.messages import StepRequest
 from proto import cluster_pb2 as pb
 
 SHAPES = ((1, 2, 5120), (1, 1, 256))  # Qwen3.5-27B's hidden size; a tiny model's
+VARIANTS = (
+    "proto", "proto-msg", "msgpack", "grpc", "grpc+busy", "tcp", "tcp+proto", "codec", "codec-cold"
+)  # fmt: skip
 METHOD = "/bench.Hop/{}"
+COLD_SLEEP_S = 100e-6
 _LEN = struct.Struct("<I")
 Options = list[tuple[str, int | str]]
 
@@ -104,9 +123,21 @@ def _forward_output(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return out
 
 
-def _proto_echo(msg: pb.StepBatch) -> pb.StepBatch:
+def _proto_echo(msg: pb.StepBatch) -> bytes:
+    entries, hidden, sequence = wire.step_batch_from_proto(msg)
+    return wire.step_batch_bytes(entries, _forward_output(hidden.shape, hidden.dtype), sequence)
+
+
+def _proto_msg_echo(msg: pb.StepBatch) -> pb.StepBatch:
     entries, hidden, sequence = wire.step_batch_from_proto(msg)
     return wire.step_batch_to_proto(entries, _forward_output(hidden.shape, hidden.dtype), sequence)
+
+
+def busy_wait(ns: int) -> None:
+    """Burn `ns` of CPU in a loop that touches no memory to speak of."""
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
 
 
 def _msgpack_echo(msg: wrappers_pb2.BytesValue) -> wrappers_pb2.BytesValue:
@@ -115,28 +146,44 @@ def _msgpack_echo(msg: wrappers_pb2.BytesValue) -> wrappers_pb2.BytesValue:
     return wrappers_pb2.BytesValue(value=msgpack_encode(entries, out, sequence))
 
 
-# (echo, request deserializer, response serializer); None: raw bytes
-_HANDLERS = {
-    "proto": (_proto_echo, pb.StepBatch.FromString, pb.StepBatch.SerializeToString),
+# (echo, request deserializer, response serializer); None: raw bytes. A stream's echo is
+# made per call from its metadata (`grpc+busy` takes its busy time from BUSY_NS).
+BUSY_NS = "busy-ns"
+_HANDLERS: dict[str, tuple[Callable, Callable | None, Callable | None]] = {
+    "proto": (lambda md: _proto_echo, pb.StepBatch.FromString, None),
+    "proto-msg": (
+        lambda md: _proto_msg_echo,
+        pb.StepBatch.FromString,
+        pb.StepBatch.SerializeToString,
+    ),
     "msgpack": (
-        _msgpack_echo,
+        lambda md: _msgpack_echo,
         wrappers_pb2.BytesValue.FromString,
         wrappers_pb2.BytesValue.SerializeToString,
     ),
-    "grpc": (lambda b: b, None, None),
+    "grpc": (lambda md: lambda b: b, None, None),
+    "grpc+busy": (lambda md: functools.partial(_busy_echo, int(md[BUSY_NS])), None, None),
 }
+
+
+def _busy_echo(ns: int, b: bytes) -> bytes:
+    busy_wait(ns)
+    return b
+
+
 # TCP echoes of whole frames
 _TCP_ECHOES: dict[str, Callable[[bytes], bytes]] = {
     "tcp": lambda b: b,
-    "tcp+proto": lambda b: _proto_echo(pb.StepBatch.FromString(b)).SerializeToString(),
+    "tcp+proto": lambda b: _proto_echo(pb.StepBatch.FromString(b)),
 }
 
 
 # ---- the echo server (child process) ----
 
 
-def _stream_handler(echo: Callable) -> Callable:
+def _stream_handler(make_echo: Callable) -> Callable:
     async def handle(requests, context: grpc.aio.ServicerContext):
+        echo = make_echo(dict(context.invocation_metadata()))
         while (msg := await context.read()) is not grpc.aio.EOF:
             await context.write(echo(msg))
 
@@ -231,12 +278,12 @@ class Setup:
 class _Stream:
     """One long-lived bidi stream; `round_trip(i)` sends step `i` and takes in its echo."""
 
-    def __init__(self, channel: grpc.aio.Channel, variant: str, step) -> None:
+    def __init__(self, channel: grpc.aio.Channel, variant: str, step, busy_ns: int) -> None:
         entries, hidden = step
-        payload = wire.step_batch_to_proto(entries, hidden, 0).SerializeToString()
+        payload = wire.step_batch_bytes(entries, hidden, 0)
         codecs = {
             "proto": (
-                lambda i: wire.step_batch_to_proto(entries, hidden, i),
+                lambda i: wire.step_batch_bytes(entries, hidden, i),
                 wire.step_batch_from_proto,
             ),
             "msgpack": (
@@ -244,10 +291,16 @@ class _Stream:
                 lambda m: msgpack_decode(m.value),
             ),
             "grpc": (lambda i: payload, lambda m: m),
+            "proto-msg": (
+                lambda i: wire.step_batch_to_proto(entries, hidden, i),
+                wire.step_batch_from_proto,
+            ),
+            "grpc+busy": (lambda i: _busy_echo(busy_ns, payload), lambda m: m),
         }
         self._encode, self._decode = codecs[variant]
         _, des, ser = _HANDLERS[variant]  # the client serializes what the server deserializes
-        self._call = channel.stream_stream(METHOD.format(variant), ser, des)()
+        metadata = ((BUSY_NS, str(busy_ns)),)
+        self._call = channel.stream_stream(METHOD.format(variant), ser, des)(metadata=metadata)
 
     async def round_trip(self, i: int) -> None:
         await self._call.write(self._encode(i))
@@ -263,11 +316,11 @@ class _Tcp:
 
     def __init__(self, variant: str, step) -> None:
         entries, hidden = step
-        payload = wire.step_batch_to_proto(entries, hidden, 0).SerializeToString()
+        payload = wire.step_batch_bytes(entries, hidden, 0)
         codecs = {
             "tcp": (lambda i: payload, lambda b: b),
             "tcp+proto": (
-                lambda i: wire.step_batch_to_proto(entries, hidden, i).SerializeToString(),
+                lambda i: wire.step_batch_bytes(entries, hidden, i),
                 lambda b: wire.step_batch_from_proto(pb.StepBatch.FromString(b)),
             ),
         }
@@ -289,15 +342,29 @@ class _Tcp:
 
 
 class _Codec:
-    """The codec alone: each 'round trip' is two hops of encode + serialize + parse + decode."""
+    """The codec alone: each 'round trip' is two hops of encode + parse + decode, each hop
+    after `sleep_s` asleep (not timed) if given."""
 
-    def __init__(self, step) -> None:
+    def __init__(self, step, sleep_s: float = 0.0) -> None:
         self._entries, self._hidden = step
+        self._sleep_s = sleep_s
 
-    async def round_trip(self, i: int) -> None:
+    def hop(self, i: int) -> None:
+        data = wire.step_batch_bytes(self._entries, self._hidden, i)
+        wire.step_batch_from_proto(pb.StepBatch.FromString(data))
+
+    async def round_trip(self, i: int) -> int:
+        if not self._sleep_s:
+            for _ in range(2):
+                self.hop(i)
+            return 0
+        slept = 0
         for _ in range(2):
-            data = wire.step_batch_to_proto(self._entries, self._hidden, i).SerializeToString()
-            wire.step_batch_from_proto(pb.StepBatch.FromString(data))
+            t0 = time.perf_counter_ns()
+            time.sleep(self._sleep_s)  # blocks the loop on purpose: nothing else runs
+            slept += time.perf_counter_ns() - t0
+            self.hop(i)
+        return slept
 
     async def close(self) -> None:
         pass
@@ -307,9 +374,20 @@ async def _time(probe, iters: int) -> list[int]:
     samples = []
     for i in range(iters):
         t0 = time.perf_counter_ns()
-        await probe.round_trip(i)
-        samples.append(time.perf_counter_ns() - t0)
+        untimed = await probe.round_trip(i)
+        samples.append(time.perf_counter_ns() - t0 - (untimed or 0))
     return samples
+
+
+def codec_ns(step, iters: int = 300) -> int:
+    """Median time of one hop's codec (encode + parse + decode), timed hot."""
+    codec = _Codec(step)
+    samples = []
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        codec.hop(i)
+        samples.append(time.perf_counter_ns() - t0)
+    return int(np.median(samples))
 
 
 async def measure(
@@ -326,6 +404,7 @@ async def measure(
     Interleaving spreads the machine's background load evenly over what is compared.
     """
     steps = {shape: decode_size_step(shape) for shape in shapes}
+    busy = {shape: codec_ns(step) for shape, step in steps.items()}
     with contextlib.ExitStack() as servers:
         ports = [servers.enter_context(EchoServer(s.server, use_uvloop)) for s in setups]
         async with contextlib.AsyncExitStack() as stack:
@@ -340,17 +419,23 @@ async def measure(
                         probe = await _Tcp(v, step).open(port[v])
                     elif v == "codec":
                         probe = _Codec(step)
+                    elif v == "codec-cold":
+                        probe = _Codec(step, sleep_s=COLD_SLEEP_S)
                     else:
-                        probe = _Stream(ch, v, step)
+                        probe = _Stream(ch, v, step, busy[shape])
                     stack.push_async_callback(probe.close)
                     probes[setup.label, v, shape] = probe
             samples = {key: [] for key in probes}
-            for probe in probes.values():
-                await _time(probe, warmup)
-            for _ in range(rounds):
-                for key, probe in probes.items():
-                    samples[key] += await _time(probe, iters)
-    sizes = {s: len(wire.step_batch_to_proto(*steps[s], 0).SerializeToString()) for s in shapes}
+            # codec-cold's sleeps slow whatever runs after them for a while: it goes last
+            cold = [key for key in probes if key[1] == "codec-cold"]
+            for group in ([key for key in probes if key not in cold], cold):
+                for key in group:
+                    await _time(probes[key], warmup)
+                for r in range(rounds):
+                    # a variant runs slower after some others (the codec's hot loop): shuffle
+                    for key in random.Random(r).sample(group, len(group)):
+                        samples[key] += await _time(probes[key], iters)
+    sizes = {s: len(wire.step_batch_bytes(*steps[s], 0)) for s in shapes}
     return [
         _row(label, v, shape, sizes[shape], samples[label, v, shape]) for label, v, shape in probes
     ]
@@ -397,12 +482,12 @@ def ablation_setups() -> list[Setup]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'options':<44} {'variant':<9} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
+        f"{'options':<44} {'variant':<10} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.options:<44} {r.variant:<9} {r.shape:<9} {r.payload_bytes:>6} "
+            f"{r.options:<44} {r.variant:<10} {r.shape:<9} {r.payload_bytes:>6} "
             f"{r.median_us:>9.1f} {r.p90_us:>7.1f}"
         )
     return "\n".join(lines)
@@ -435,13 +520,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--ablate", action="store_true", help="also time each gRPC option")
     parser.add_argument("--uvloop", action="store_true", help="run both ends on uvloop")
+    parser.add_argument(
+        "--variants", type=lambda v: v.split(","), default=list(VARIANTS), help="comma-separated"
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="BxTxH",
+        help="hidden-state shapes (default 1x2x5120 1x1x256)",
+    )
     args = parser.parse_args(argv)
+    if unknown := set(args.variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     mx.set_default_device(mx.cpu)
     timing = (args.rounds, args.iters, args.warmup)
 
     tuned = Setup("tuned", wire.grpc_server_options(), wire.grpc_channel_options())
-    variants = ["proto", "msgpack", "grpc", "tcp", "tcp+proto", "codec"]
-    rows = run_loop(measure([tuned], variants, SHAPES, *timing, args.uvloop), args.uvloop)
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
+    rows = run_loop(measure([tuned], args.variants, shapes, *timing, args.uvloop), args.uvloop)
     loop = "uvloop" if args.uvloop else "asyncio"
     print(f"one way (round trip / 2) on loopback, {loop} event loop, microseconds")
     print(_table(rows))
@@ -450,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ablate:
         setups = ablation_setups()
         ablation = run_loop(
-            measure(setups, ["proto"], SHAPES[:1], *timing, args.uvloop), args.uvloop
+            measure(setups, ["proto"], shapes[:1], *timing, args.uvloop), args.uvloop
         )
         print("\nthe proto stream by gRPC options")
         print(_table(ablation))
