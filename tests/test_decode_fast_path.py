@@ -1,10 +1,10 @@
 """The decoding fast path computes exactly what the plain path does.
 
 Fused projections (`cluster.model.fused`), compiled GatedDeltaNet steps
-(`cluster.model.compiled`: the recurrence alone, or whole layers) and row-padded quantized
-matmuls (`cluster.model.row_padding`) are forced on here (by default compiling is on for CUDA
-only, padding is off): logits, greedy tokens and the caches after a rejected draft must equal
-the plain path's, on the bundled model and a MoE fixture.
+(`cluster.model.compiled`: the recurrence alone, or whole layers) and steps padded to 8 rows
+(`cluster.model.row_padding`) are forced on here (by default compiling and padding are on for
+CUDA only): logits, greedy tokens and the caches after a rejected draft must equal the plain
+path's, on the bundled model and a MoE fixture.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
 
 
-def _set_fast_path(on: bool | None) -> None:
+def _set_fast_path(on: bool | None, *, one_row: bool = False) -> None:
     compiled.set_enabled(on)
     compiled.set_layers_enabled(None)
-    row_padding.set_enabled(on)
+    row_padding.set_enabled(on, one_row=one_row)
 
 
 @pytest.fixture
@@ -51,28 +51,44 @@ def _logits(shard, prompt: list[int], steps: list[tuple[int, ...]]) -> list[mx.a
     return out
 
 
-@pytest.mark.parametrize(("bits", "whole_layers"), [(None, True), (None, False), (4, True)])
+@pytest.mark.parametrize(
+    ("bits", "whole_layers", "one_row"),
+    [(None, True, False), (None, False, True), (4, True, True), (4, False, False)],
+)
 def test_fused_compiled_padded_logits_equal_plain(
-    model_dir, tokenizer, fast_path, bits, whole_layers
+    model_dir, tokenizer, fast_path, bits, whole_layers, one_row
 ) -> None:
-    compiled.set_layers_enabled(whole_layers)  # False: only the recurrence is compiled
     plain = load_shard(model_dir)
-    if bits is None:
-        fast = load_shard(model_dir, for_decoding=True)
-        row_padding.install(fast)  # bf16: nothing to pad, which must change nothing
-    else:  # the bundled model is bf16: quantize both alike, then ready one for decoding
-        fast = load_shard(model_dir)
+    fast = load_shard(model_dir, for_decoding=bits is None)
+    if bits is not None:  # the bundled model is bf16: quantize both alike, then fuse one
         for shard in (plain, fast):
             nn.quantize(shard, group_size=64, bits=bits)
         assert fused.fuse_projections(fast) == 2 * (
             len(fast.layers) + 1
         )  # mixer + MLP, MTP layer too
-        assert row_padding.install(fast) > 0
     assert "in_proj" in fast.layers[0].linear_attn and "qkv_proj" in fast.layers[3].self_attn
+    assert fast.pads_rows
     prompt = tokenizer.encode(CODE_PROMPTS[0])
-    steps = [(5,), (7, 9), (11,), (3, 4, 8), (12,)]  # 2 and 3 positions: padded rows, snapshots
-    for a, b in zip(_logits(plain, prompt, steps), _logits(fast, prompt, steps), strict=True):
+    # 1, 2 and 3 positions: padded rows (one-row steps too with `one_row`), snapshots
+    steps = [(5,), (7, 9), (11,), (3, 4, 8), (12,)]
+    _set_fast_path(False)
+    reference = _logits(plain, prompt, steps)
+    _set_fast_path(True, one_row=one_row)
+    compiled.set_layers_enabled(whole_layers)  # False: only the recurrence is compiled
+    for a, b in zip(reference, _logits(fast, prompt, steps), strict=True):
         assert mx.array_equal(a, b)
+
+
+def test_padding_is_for_short_dense_steps(fast_path) -> None:
+    assert [row_padding.padded_rows(n) for n in (1, 2, 7, 8, 30)] == [1, 8, 8, 8, 30]
+    row_padding.set_enabled(True, one_row=True)
+    assert row_padding.padded_rows(1) == 8
+    row_padding.set_enabled(False)
+    assert row_padding.padded_rows(2) == 2
+    x = mx.ones((1, 3, 4))
+    padded = row_padding.pad_rows(x, 8)
+    assert padded.shape == (1, 8, 4) and mx.array_equal(padded[:, :3], x)
+    assert not padded[:, 3:].any().item()
 
 
 def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
@@ -98,7 +114,6 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
 
     # A rejected draft on the compiled path leaves the caches as if never seen.
     shard = load_shard(model_dir, for_decoding=True)
-    row_padding.install(shard)
     prompt = tuple(prompts[0])
     drafted, clean = ShardRunner(shard), ShardRunner(shard)
     first = _prefill(drafted, "r", prompt)
@@ -119,6 +134,7 @@ def test_moe_fast_path_greedy_identity(tmp_path, fast_path) -> None:
     from checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
+    assert not load_shard(path).pads_rows  # zero rows would be routed to experts
     prompts = [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     fast = run(_generate_all(path, prompts, mtp=True))
     compiled.set_batches_enabled(True)

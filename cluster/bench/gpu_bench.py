@@ -596,22 +596,25 @@ async def engine_decode(
 
 # The decoding fast path in steps, each measured against the one before in the same process:
 # (name, projections fused at load, compiled GatedDeltaNet recurrence, whole GatedDeltaNet
-# layers compiled, row-padded quantized matmuls).
+# layers compiled, the steps whose stream is padded to 8 rows: "off", "short" (2-7 rows: verify
+# steps) or "all" (1-7 rows: plain decode too); `cluster.model.row_padding`).
 VARIANTS = (
-    ("plain", False, False, False, False),
-    ("fused", True, False, False, False),
-    ("fused+compiled", True, True, False, False),
-    ("fused+compiled+padded", True, True, False, True),
-    ("fused+compiled-layers", True, True, True, False),
+    ("plain", False, False, False, "off"),
+    ("fused", True, False, False, "off"),
+    ("fused+compiled", True, True, False, "off"),
+    ("fused+compiled-layers", True, True, True, "off"),
+    ("fused+compiled-layers+padded", True, True, True, "short"),
+    ("fused+compiled-layers+padded-all", True, True, True, "all"),
 )
 WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
 DEFAULT_VARIANTS = ("plain", "fused", "fused+compiled", "fused+compiled-layers")
 
 
-def _set_variant(compile_on: bool, layers_on: bool, pad_on: bool) -> None:
+def _set_variant(compile_on: bool | None, layers_on: bool | None, pad: str | None) -> None:
+    """A variant's switches; None everywhere restores the per-backend defaults."""
     compiled.set_enabled(compile_on)
     compiled.set_layers_enabled(layers_on)
-    row_padding.set_enabled(pad_on)
+    row_padding.set_enabled(None if pad is None else pad != "off", one_row=pad == "all")
 
 
 async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
@@ -622,7 +625,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
     worker = MLXWorker()
     shard = None
     for name in args.variants:
-        _, fuse_on, compile_on, layers_on, pad_on = next(v for v in VARIANTS if v[0] == name)
+        _, fuse_on, compile_on, layers_on, pad = next(v for v in VARIANTS if v[0] == name)
         if shard is None or fuse_on != single.get("fused"):
             shard = runner = None
             await worker.run(free_memory)
@@ -638,9 +641,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             if "bandwidth" not in single:
                 bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
-        if pad_on:
-            await worker.run(row_padding.install, shard)
-        await worker.run(_set_variant, compile_on, layers_on, pad_on)
+        await worker.run(_set_variant, compile_on, layers_on, pad)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}
         row["steps"] = await worker.run(

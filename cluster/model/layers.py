@@ -31,6 +31,7 @@ from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextMo
 
 from cluster.model import compiled
 from cluster.model.cache import RequestCache
+from cluster.model.row_padding import pad_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,16 @@ def _split(x: mx.array, segments: list[Segment]) -> list[mx.array]:
     return out
 
 
+def _length(segments: list[Segment]) -> int:
+    """The step's real rows: a padded stream (`cluster.model.row_padding`) has more."""
+    return sum(seg.length for seg in segments)
+
+
+def _real(x: mx.array, length: int) -> mx.array:
+    """The real rows of a possibly padded [1, rows, ...] tensor."""
+    return x if x.shape[1] == length else x[:, :length]
+
+
 def _join(parts: list[mx.array]) -> mx.array:
     """Per-request pieces [1, n, ...] back into one packed [1, L, ...] tensor."""
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
@@ -66,8 +77,8 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
-        _, length, _ = x.shape
-        qkv, z, b, a = self.project(x)
+        rows, length = x.shape[1], _length(segments)  # rows > length: padded (row_padding)
+        qkv, z, b, a = (_real(t, length) for t in self.project(x))
         z = z.reshape(1, length, self.num_v_heads, self.head_v_dim)
         mixed: list[mx.array | None] = [None] * len(segments)
         # Requests whose steps have the same shape (every decode step, typically) run their
@@ -78,7 +89,7 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             for row, i in enumerate(members):
                 mixed[i] = out[row : row + 1] if len(members) > 1 else out
         out = self.norm(_join(mixed), z)
-        return self.out_proj(out.reshape(1, length, -1))
+        return self.out_proj(pad_rows(out.reshape(1, length, -1), rows))
 
     def _mix(
         self,
@@ -260,11 +271,12 @@ def _row(x: mx.array, row: int) -> mx.array:
 
 class PackedAttention(Attention):
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
-        _, length, _ = x.shape
+        rows, length = x.shape[1], _length(segments)  # rows > length: padded (row_padding)
         if "qkv_proj" in self:  # fused at load (cluster.model.fused)
             q, k, v = self.qkv_proj(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (_real(t, length) for t in (q, k, v))
         queries, gate = mx.split(q.reshape(1, length, self.num_attention_heads, -1), 2, axis=-1)
         keys = self.k_norm(k.reshape(1, length, self.num_key_value_heads, -1))
         values = v.reshape(1, length, self.num_key_value_heads, -1)
@@ -276,7 +288,8 @@ class PackedAttention(Attention):
             strict=True,
         )
         mixed = [self._attend(*p, seg, slot) for p, seg in zip(parts, segments, strict=True)]
-        return self.o_proj(_join(mixed) * mx.sigmoid(gate.reshape(1, length, -1)))
+        out = _join(mixed) * mx.sigmoid(gate.reshape(1, length, -1))
+        return self.o_proj(pad_rows(out, rows))
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, slot: int) -> mx.array:
         cache = seg.cache.layers[slot]
@@ -303,7 +316,7 @@ class PackedDecoderLayer(DecoderLayer):
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
         # One request's decode step: one compiled call. Not for batches: each layer would trace
         # its own graph per batch size, and batch sizes come and go with the requests.
-        if self.is_linear and len(segments) == 1 and compiled.layers_enabled(x.shape[1]):
+        if self.is_linear and len(segments) == 1 and compiled.layers_enabled(segments[0].length):
             seg = segments[0]
             return self._compiled_linear_step(x, segments, slot, seg.length, seg.n_confirmed)
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -320,9 +333,9 @@ class PackedDecoderLayer(DecoderLayer):
         conv_state, state = gdn.states(segments, slot, x.dtype)
         snapshot_at = tuple(range(n_confirmed, length))
         steps = self.__dict__.setdefault("_compiled_steps", {})
-        if (step := steps.get(snapshot_at)) is None:
-            step = steps[snapshot_at] = mx.compile(
-                functools.partial(_linear_layer_step, self, snapshot_at=snapshot_at)
+        if (step := steps.get((length, snapshot_at))) is None:
+            step = steps[length, snapshot_at] = mx.compile(
+                functools.partial(_linear_layer_step, self, length=length, snapshot_at=snapshot_at)
             )
         h, *new_states = step(x, conv_state, state)
         gdn.store(segments, slot, snapshot_at, new_states)
@@ -335,20 +348,22 @@ def _linear_layer_step(
     conv_state: mx.array,
     state: mx.array,
     *,
+    length: int,
     snapshot_at: tuple[int, ...],
 ) -> list[mx.array]:
     """A GatedDeltaNet decoder layer over a batch of requests of one step shape, as a function
     of arrays: the same ops as `PackedDecoderLayer.__call__` (all requests in one group, so the
-    stacking and joining are reshapes). Returns the layer's output, then `gdn_core`'s states."""
+    stacking and joining are reshapes). `length` is the step's real rows in all; `x` may have
+    more (`cluster.model.row_padding`). Returns the layer's output, then `gdn_core`'s states."""
     gdn = layer.linear_attn
-    batch, (_, total, _) = conv_state.shape[0], x.shape
-    qkv, z, b, a = gdn.project(layer.input_layernorm(x))
-    z = z.reshape(1, total, gdn.num_v_heads, gdn.head_v_dim)
-    qkv, a, b = (t.reshape(batch, total // batch, *t.shape[2:]) for t in (qkv, a, b))
+    batch, rows = conv_state.shape[0], x.shape[1]
+    qkv, z, b, a = (_real(t, length) for t in gdn.project(layer.input_layernorm(x)))
+    z = z.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
+    qkv, a, b = (t.reshape(batch, length // batch, *t.shape[2:]) for t in (qkv, a, b))
     out, *states = gdn_core(
         qkv, a, b, conv_state, state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
         dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=False,
     )  # fmt: skip
-    out = out.reshape(1, total, gdn.num_v_heads, gdn.head_v_dim)
-    h = x + gdn.out_proj(gdn.norm(out, z).reshape(1, total, -1))
+    out = out.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
+    h = x + gdn.out_proj(pad_rows(gdn.norm(out, z).reshape(1, length, -1), rows))
     return [h + layer.mlp(layer.post_attention_layernorm(h)), *states]

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster.config import ModelConfig
+from cluster.model import row_padding
 from cluster.model.layers import PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
 
@@ -63,6 +64,8 @@ class ModelShard(nn.Module):
             if with_mtp:
                 self.mtp = MTPHead(args, config.mtp_layers)
         self.has_mtp = spec.is_tail and with_mtp
+        # Padded rows would be routed to experts (`cluster.model.row_padding`).
+        self.pads_rows = not config.is_moe
 
     @property
     def linear_flags(self) -> list[bool]:
@@ -72,13 +75,16 @@ class ModelShard(nn.Module):
         return self.embed_tokens(tokens)
 
     def __call__(self, x: mx.array, segments: list[Segment]) -> mx.array:
+        length = x.shape[1]
+        if self.pads_rows:  # a short step's dense layers run on the rows matmuls run cheapest
+            x = row_padding.pad_rows(x, row_padding.padded_rows(length))
         for slot, layer in enumerate(self.layers):
             x = layer(x, segments, slot)
             if slot % ASYNC_EVAL_EVERY == ASYNC_EVAL_EVERY - 1:
                 # Start the device on the layers built so far while Python builds the rest:
                 # building a step's graph is milliseconds that the device would otherwise idle.
                 mx.async_eval(x)
-        return x
+        return x if x.shape[1] == length else x[:, :length]
 
     def logits(self, normed: mx.array) -> mx.array:
         if self.tied:
