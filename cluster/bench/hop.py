@@ -32,7 +32,8 @@ others' (its sleeps slow whatever runs next for a while). `--ablate` also times 
 stream under gRPC defaults and with each tuned option left out or one added (a server process
 per setting; gRPC may log the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR quiets it). On
 a many-core machine, pin the run to two cores (`taskset -c 2,3`) to time the transports
-rather than idle-core wakeups.
+rather than idle-core wakeups. Like every cluster process it runs gRPC's older I/O path
+(`cluster.grpc_io`); `GRPC_EXPERIMENTS= python -m cluster.bench.hop` times gRPC's defaults.
 """
 
 from __future__ import annotations
@@ -504,6 +505,7 @@ def _report(tuned: Setup, timing, loop: str, rows: list[Row], ablation: list[Row
             "affinity": sorted(affinity) if affinity else None,
             "load_average": os.getloadavg(),
             "event_loop": loop,
+            "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS"),  # cluster.grpc_io
         },
         "timing": dict(zip(("rounds", "iters", "warmup"), timing, strict=True)),
         "server_options": tuned.server,
@@ -539,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
     rows = run_loop(measure([tuned], args.variants, shapes, *timing, args.uvloop), args.uvloop)
     loop = "uvloop" if args.uvloop else "asyncio"
+    experiments = os.environ.get("GRPC_EXPERIMENTS") or "gRPC's defaults"
     print(f"one way (round trip / 2) on loopback, {loop} event loop, microseconds")
+    print(f"GRPC_EXPERIMENTS: {experiments} (cluster.grpc_io)")
     print(_table(rows))
 
     ablation = []
