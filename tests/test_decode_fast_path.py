@@ -2,8 +2,8 @@
 
 Fused projections (`cluster.model.fused`), compiled GatedDeltaNet steps
 (`cluster.model.compiled`: the recurrence alone, or whole layers) and steps padded to 8 rows
-(`cluster.model.row_padding`) are forced on here (by default compiling and padding are on for
-CUDA only): logits, greedy tokens and the caches after a rejected draft must equal the plain
+(`cluster.model.row_padding`) are forced on here (by default compiling is on for CUDA only,
+padding is off): logits, greedy tokens and the caches after a rejected draft must equal the plain
 path's, on the bundled model and a MoE fixture.
 """
 

@@ -458,7 +458,7 @@ def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> d
         ]
 
     row = {}
-    for m in (1, 2, 4):
+    for m in (1, 2, 4, 8):
         x = mx.random.normal((1, m, k)).astype(mx.bfloat16)
         t = _timed(lambda x=x: calls(x, False), iters, 3) / len(weights)
         row[f"M{m}_ms"] = t
@@ -466,6 +466,28 @@ def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> d
         if m == 2:
             row["M2_as_two_M1_ms"] = _timed(lambda x=x: calls(x, True), iters, 3) / len(weights)
     return row
+
+
+def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
+    """The shard's MLPs by rows M (ms per layer), run as a model runs them, each layer's input
+    the previous one's output, and as independent calls on one input. Independent calls may
+    overlap on the device (MLX CUDA records a step as a graph), so `qmm_micro`'s cost per
+    call is throughput; the chain's is the latency a step pays."""
+    layers = shard.layers[: min(32, len(shard.layers))]
+
+    def chain(x: mx.array) -> mx.array:
+        for layer in layers:
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    out: dict[str, Any] = {}
+    for m in (1, 2, 4, 8):
+        x = mx.random.normal((1, m, shard.hidden_size)).astype(mx.bfloat16)
+        out[f"chain_M{m}_ms"] = _timed(lambda x=x: chain(x), iters, 3) / len(layers)
+        out[f"independent_M{m}_ms"] = _timed(
+            lambda x=x: [layer.mlp(x) for layer in layers], iters, 3
+        ) / len(layers)
+    return out
 
 
 def sync_latency(iters: int = 50) -> float:
@@ -499,16 +521,24 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     config = load_model_config(path)
     diag["qmm"] = await worker.run(qmm_micro, config, args.group_size, args.bits)
     print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
-    shard = await worker.run(load_shard, path)
-    diag["backbone_ms"] = await worker.run(backbone_shapes, shard, prompt, 30, 5)
-    print(f"  backbone {json.dumps(diag['backbone_ms'])}", flush=True)
+    shard = await worker.run(load_shard, path, for_decoding=True)
+    diag["mlp_chain"] = await worker.run(mlp_chain, shard)
+    print(f"  MLPs by rows, chained and independent {json.dumps(diag['mlp_chain'])}", flush=True)
+    for key, pad in (("backbone_ms", False), ("backbone_padded_ms", True)):
+        await worker.run(row_padding.set_enabled, pad)
+        diag[key] = await worker.run(backbone_shapes, shard, prompt, 30, 5)
+        print(f"  {key} {json.dumps(diag[key])}", flush=True)
+    await worker.run(row_padding.set_enabled, None)
     del shard
     await worker.run(free_memory)
-    with _recorded(diag, "mlx_lm_error"):
-        diag["mlx_lm_forward"] = await worker.run(mlx_lm_forward, path, prompt, 30, 5)
-        print(f"  mlx-lm forward {json.dumps(diag['mlx_lm_forward'])}", flush=True)
-    await worker.run(free_memory)
+    if "mlx_lm" not in args.skip:
+        with _recorded(diag, "mlx_lm_error"):
+            diag["mlx_lm_forward"] = await worker.run(mlx_lm_forward, path, prompt, 30, 5)
+            print(f"  mlx-lm forward {json.dumps(diag['mlx_lm_forward'])}", flush=True)
+        await worker.run(free_memory)
     worker.close()
+    if "local" in args.skip:
+        return
     from cluster.local import even_ranges, open_local_engine
 
     for parts in (1, 3):
@@ -1287,7 +1317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip",
         type=lambda s: set(s.split(",")),
         default=set(),
-        help="phases to leave out: mlx_lm,nodes,pipeline",
+        help="phases to leave out: mlx_lm,nodes,pipeline (with --diagnose: mlx_lm,local)",
     )
     parser.add_argument("--deadline-s", type=float, default=500)
     parser.add_argument("--cache-limit-gb", type=float, default=8)
