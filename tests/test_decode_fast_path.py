@@ -2,9 +2,9 @@
 
 Fused projections (`cluster.model.fused`), compiled GatedDeltaNet steps
 (`cluster.model.compiled`: the recurrence alone, or whole layers) and steps padded to 8 rows
-(`cluster.model.row_padding`) are forced on here (by default compiling is on for CUDA only,
-padding is off): logits, greedy tokens and the caches after a rejected draft must equal the plain
-path's, on the bundled model and a MoE fixture.
+(`cluster.model.row_padding`) are forced on here (by default both are on for CUDA only):
+logits, greedy tokens and the caches after a rejected draft must equal the plain path's, on the
+bundled model and a MoE fixture.
 """
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ from conftest import CODE_PROMPTS, run
 from test_engine import _generate_all
 from test_rollback import _assert_same_caches, _prefill
 
+from cluster.decode.engine import GenerationRequest
 from cluster.decode.runner import ShardRunner
-from cluster.messages import StepRequest
+from cluster.local import open_local_engine
+from cluster.messages import RequestOptions, StepRequest
 from cluster.model import compiled, fused, row_padding
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
 
 
-def _set_fast_path(on: bool | None, *, one_row: bool = False) -> None:
+def _set_fast_path(on: bool | None, *, pad_from: int = 2) -> None:
     compiled.set_enabled(on)
     compiled.set_layers_enabled(None)
-    row_padding.set_enabled(on, one_row=one_row)
+    row_padding.set_enabled(on, from_rows=pad_from)
 
 
 @pytest.fixture
@@ -52,11 +54,11 @@ def _logits(shard, prompt: list[int], steps: list[tuple[int, ...]]) -> list[mx.a
 
 
 @pytest.mark.parametrize(
-    ("bits", "whole_layers", "one_row"),
-    [(None, True, False), (None, False, True), (4, True, True), (4, False, False)],
+    ("bits", "whole_layers", "pad_from"),
+    [(None, True, 2), (None, False, 1), (4, True, 1), (4, False, row_padding.PAD_FROM)],
 )
 def test_fused_compiled_padded_logits_equal_plain(
-    model_dir, tokenizer, fast_path, bits, whole_layers, one_row
+    model_dir, tokenizer, fast_path, bits, whole_layers, pad_from
 ) -> None:
     plain = load_shard(model_dir)
     fast = load_shard(model_dir, for_decoding=bits is None)
@@ -69,11 +71,11 @@ def test_fused_compiled_padded_logits_equal_plain(
     assert "in_proj" in fast.layers[0].linear_attn and "qkv_proj" in fast.layers[3].self_attn
     assert fast.pads_rows
     prompt = tokenizer.encode(CODE_PROMPTS[0])
-    # 1, 2 and 3 positions: padded rows (one-row steps too with `one_row`), snapshots
-    steps = [(5,), (7, 9), (11,), (3, 4, 8), (12,)]
+    # 1 to 5 positions: padded rows from `pad_from` on, snapshots after the first
+    steps = [(5,), (7, 9), (11,), (3, 4, 8), (12,), (1, 2, 6, 10, 13)]
     _set_fast_path(False)
     reference = _logits(plain, prompt, steps)
-    _set_fast_path(True, one_row=one_row)
+    _set_fast_path(True, pad_from=pad_from)
     compiled.set_layers_enabled(whole_layers)  # False: only the recurrence is compiled
     for a, b in zip(reference, _logits(fast, prompt, steps), strict=True):
         assert mx.array_equal(a, b)
@@ -81,10 +83,14 @@ def test_fused_compiled_padded_logits_equal_plain(
 
 def test_padding_is_for_short_dense_steps(fast_path) -> None:
     assert [row_padding.padded_rows(n) for n in (1, 2, 7, 8, 30)] == [1, 8, 8, 8, 30]
-    row_padding.set_enabled(True, one_row=True)
+    row_padding.set_enabled(True)  # the default threshold
+    assert [row_padding.padded_rows(n) for n in (2, 3, 4, 7)] == [2, 3, 8, 8]
+    row_padding.set_enabled(True, from_rows=1)
     assert row_padding.padded_rows(1) == 8
     row_padding.set_enabled(False)
-    assert row_padding.padded_rows(2) == 2
+    assert row_padding.padded_rows(5) == 5
+    with pytest.raises(ValueError, match="from_rows"):
+        row_padding.set_enabled(True, from_rows=0)
     x = mx.ones((1, 3, 4))
     padded = row_padding.pad_rows(x, 8)
     assert padded.shape == (1, 8, 4) and mx.array_equal(padded[:, :3], x)
@@ -128,6 +134,32 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
     carried = StepRequest("r", nxt.tokens, nxt.position, rollback=1)
     assert drafted.run([carried]).results == clean.run([nxt]).results
     _assert_same_caches(drafted.requests["r"].cache, clean.requests["r"].cache)
+
+
+async def _generate_at_depth(model_dir, prompts: list[list[int]], depth: int) -> list:
+    local = await open_local_engine(model_dir)
+    try:
+        options = RequestOptions(mtp=depth > 0, mtp_depth=depth)
+        return [
+            await local.engine.generate(GenerationRequest(tuple(p), 24, options)) for p in prompts
+        ]
+    finally:
+        local.close()
+
+
+def test_deep_drafts_padded_greedy_identity(model_dir, tokenizer) -> None:
+    """Depth 3 and 4: steps of 4 and 5 rows, padded from the default threshold on."""
+    prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
+    _set_fast_path(False)
+    reference = run(_generate_at_depth(model_dir, prompts, 0))
+    _set_fast_path(True, pad_from=row_padding.PAD_FROM)
+    try:
+        for depth in (3, 4):
+            outs = run(_generate_at_depth(model_dir, prompts, depth))
+            assert [o.tokens for o in outs] == [o.tokens for o in reference]
+            assert 0 < sum(o.accepted for o in outs) < sum(o.drafted for o in outs)
+    finally:
+        _set_fast_path(None)
 
 
 def test_moe_fast_path_greedy_identity(tmp_path, fast_path) -> None:

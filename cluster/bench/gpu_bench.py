@@ -63,7 +63,7 @@ from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
-from cluster.messages import RequestOptions, StepRequest
+from cluster.messages import MtpDepth, RequestOptions, StepRequest, parse_mtp_depth
 from cluster.model import compiled, row_padding
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
@@ -607,11 +607,16 @@ def free_memory() -> None:
 
 
 async def engine_decode(
-    engine: GenerationEngine, prompt: tuple[int, ...], tokens: int, repeats: int, mtp: bool
+    engine: GenerationEngine,
+    prompt: tuple[int, ...],
+    tokens: int,
+    repeats: int,
+    mtp: bool,
+    depth: MtpDepth = 1,
 ) -> dict:
     outs = []
     for _ in range(repeats):
-        request = GenerationRequest(prompt, tokens, RequestOptions(mtp=mtp))
+        request = GenerationRequest(prompt, tokens, RequestOptions(mtp=mtp, mtp_depth=depth))
         outs.append(await engine.generate(request))
     tps = [o.generation_tps for o in outs]
     drafted = sum(o.drafted for o in outs)
@@ -626,25 +631,31 @@ async def engine_decode(
 
 # The decoding fast path in steps, each measured against the one before in the same process:
 # (name, projections fused at load, compiled GatedDeltaNet recurrence, whole GatedDeltaNet
-# layers compiled, the steps whose stream is padded to 8 rows: "off", "short" (2-7 rows: verify
-# steps) or "all" (1-7 rows: plain decode too); `cluster.model.row_padding`).
+# layers compiled, the row count from which a step's stream is padded to 8 rows, 0: never;
+# `cluster.model.row_padding`, whose default on CUDA is `+padded`).
 VARIANTS = (
-    ("plain", False, False, False, "off"),
-    ("fused", True, False, False, "off"),
-    ("fused+compiled", True, True, False, "off"),
-    ("fused+compiled-layers", True, True, True, "off"),
-    ("fused+compiled-layers+padded", True, True, True, "short"),
-    ("fused+compiled-layers+padded-all", True, True, True, "all"),
+    ("plain", False, False, False, 0),
+    ("fused", True, False, False, 0),
+    ("fused+compiled", True, True, False, 0),
+    ("fused+compiled-layers", True, True, True, 0),
+    ("fused+compiled-layers+padded", True, True, True, row_padding.PAD_FROM),
+    ("fused+compiled-layers+padded2", True, True, True, 2),
+    ("fused+compiled-layers+padded1", True, True, True, 1),
 )
 WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
-DEFAULT_VARIANTS = ("plain", "fused", "fused+compiled", "fused+compiled-layers")
+DEFAULT_VARIANTS = (
+    "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded"
+)  # fmt: skip
 
 
-def _set_variant(compile_on: bool | None, layers_on: bool | None, pad: str | None) -> None:
+def _set_variant(compile_on: bool | None, layers_on: bool | None, pad_from: int | None) -> None:
     """A variant's switches; None everywhere restores the per-backend defaults."""
     compiled.set_enabled(compile_on)
     compiled.set_layers_enabled(layers_on)
-    row_padding.set_enabled(None if pad is None else pad != "off", one_row=pad == "all")
+    if pad_from is None:
+        row_padding.set_enabled(None)
+    else:
+        row_padding.set_enabled(pad_from > 0, from_rows=max(pad_from, 1))
 
 
 async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
@@ -655,7 +666,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
     worker = MLXWorker()
     shard = None
     for name in args.variants:
-        _, fuse_on, compile_on, layers_on, pad = next(v for v in VARIANTS if v[0] == name)
+        _, fuse_on, compile_on, layers_on, pad_from = next(v for v in VARIANTS if v[0] == name)
         if shard is None or fuse_on != single.get("fused"):
             shard = runner = None
             await worker.run(free_memory)
@@ -671,7 +682,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             if "bandwidth" not in single:
                 bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
-        await worker.run(_set_variant, compile_on, layers_on, pad)
+        await worker.run(_set_variant, compile_on, layers_on, pad_from)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}
         row["steps"] = await worker.run(
@@ -695,6 +706,20 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
                 restore_decide(previous)
             on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
             row["mtp_on"][str(alpha)] = on
+        row["mtp_depths"] = {}
+        for depth in args.mtp_depths:  # deeper drafts at alpha 0.7, each position drawn alike
+            previous = install_oracle(0.7, seed=3)
+            try:
+                on = await engine_decode(engine, prompt, args.tokens, args.repeats, True, depth)
+            finally:
+                restore_decide(previous)
+            on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
+            row["mtp_depths"][str(depth)] = on
+            print(
+                f"  {name}: MTP depth {depth}, a=0.7: {on['median_tps']:.1f} tok/s "
+                f"({on['over_off']:.2f}x off)",
+                flush=True,
+            )
         if last and args.concurrent > 1:  # batching in one process, without the hops
             row.update(await _one_process_batches(args, worker, engine, prompt))
         single["variants"][name] = row
@@ -1090,6 +1115,7 @@ async def run(args) -> dict:
             "gpus": args.gpus,
             "concurrent": args.concurrent,
             "variants": args.variants,
+            "mtp_depths": args.mtp_depths,
         },
     }
     if os.environ.get("BENCH_COMMIT"):  # a tree copied without its .git says what it is
@@ -1208,6 +1234,9 @@ def summarize(report: dict) -> None:
             f"{b1['total_ms']:.2f}), verify/plain {st['verify_over_plain']:.2f}x; engine off "
             f"{v_off:.1f} tok/s = {per_token:.2f} ms/token = "
             f"{per_token / st['plain']['median_ms']:.2f}x its step; on a=0.7 {v_on:.1f}"
+            + "".join(
+                f"; depth {d} {r['median_tps']:.1f}" for d, r in v.get("mtp_depths", {}).items()
+            )
         )
     if off:
         row = f"engine, 1 process: MTP off {off:.1f} tok/s"
@@ -1297,6 +1326,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-warmup", type=int, default=8)
     parser.add_argument(
         "--alphas", type=lambda s: [float(a) for a in s.split(",")], default=[0.5, 0.7, 0.9]
+    )
+    parser.add_argument(
+        "--mtp-depths",
+        type=lambda s: [parse_mtp_depth(d) for d in s.split(",")],
+        default=[],
+        help="also decode with MTP at these depths (1..8 or auto) at alpha 0.7, per variant",
     )
     parser.add_argument("--node-alpha", type=float, default=0.7)
     parser.add_argument("--nodes", type=lambda s: [int(n) for n in s.split(",")], default=[2, 3])

@@ -14,44 +14,52 @@ SwiGLU of zero are zero). On the CPU the outputs are bit-identical (tests/test_d
 on CUDA the GEMM path sums in another order than the few-row kernel, as any batch size would.
 MoE shards are never padded: their router would send the zero rows to experts.
 
-Measured, it does not pay, so it is off on every backend (BENCHMARKS.md, issue 10, run L). Those
-per-call figures are throughput: they time independent matmuls, which MLX CUDA's step graph runs
-side by side. A model's matmuls form a chain, each waiting for the one before, and in a chain
-the 8-row GEMM kernel takes 1.96x the one-row kernel's time (27B-shape MLPs: 0.38 against 0.20
-ms a layer; 2 rows 0.34 ms). The padded 27B verify step took 45.4 ms against 39.6 unpadded, and
-a one-token step padded to 8 rows 40.8 ms against 20.9. On the CPU the quantized matmul is
-linear in rows, and Metal was not measured (never pad where it may cost). It stays as an A/B
-switch (`set_enabled`, the benchmark's `+padded` variants): a later MLX whose few-row GEMM is as
-fast in a chain as alone would make it pay, and `gpu_bench --diagnose` shows when.
+Measured on an H200 at the 27B shape, 4 bits (BENCHMARKS.md, issue 10, runs L and M), it pays
+from 4 rows on, not below, so on CUDA it pads steps of 4 to 7 rows (`PAD_FROM`): the backbone's
+4-position step took 43.6 ms padded against 64.5 unpadded, while its 2-position (verify) step
+took 41.0 against 34.7 and a one-position step padded to 8 rows 40.8 against 20.9. That is why
+the per-call figures above mislead: they are throughput, timing independent matmuls that MLX
+CUDA's step graph runs side by side. A model's matmuls form a chain, each waiting for the one
+before, and in a chain the 8-row GEMM kernel takes twice the one-row kernel's time (27B-shape
+MLPs: 0.41 against 0.20 ms a layer; 2 rows 0.35, 4 rows 0.65). So padding buys deeper MTP
+drafts and small batches their rows at the price of about two one-row steps, and the adaptive
+depth (`cluster.decode.mtp_depth`, from the node's measured step costs) sees that price.
+Off on the CPU (its quantized matmul is linear in rows: padding only adds work) and on Metal
+(not measured here: never pad where it may cost). `set_enabled` overrides the choice (the
+tests, the benchmark's `+padded` variants).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["PAD_TO", "enabled", "pad_rows", "padded_rows", "set_enabled"]
+__all__ = ["PAD_FROM", "PAD_TO", "enabled", "pad_rows", "padded_rows", "set_enabled"]
 
 PAD_TO = 8  # MLX CUDA's quantized matmul takes its GEMM path from 8 rows on
+PAD_FROM = 4  # fewer rows run cheaper unpadded on CUDA (see above)
 
 _override: bool | None = None
-_one_row = False
+_from_rows = PAD_FROM
 
 
-def set_enabled(on: bool | None, *, one_row: bool = False) -> None:
-    """Force padding on or off (None: the default, off); `one_row` pads one-row steps too
-    (plain decode)."""
-    global _override, _one_row
-    _override, _one_row = on, one_row
+def set_enabled(on: bool | None, *, from_rows: int = PAD_FROM) -> None:
+    """Force padding on or off (None: the per-backend default) for steps of `from_rows` rows
+    and more (1: plain decode too)."""
+    global _override, _from_rows
+    if not 1 <= from_rows <= PAD_TO:
+        raise ValueError(f"from_rows must be 1..{PAD_TO}, got {from_rows}")
+    _override, _from_rows = on, from_rows
 
 
 def enabled() -> bool:
-    return bool(_override)  # off by default on every backend (see above)
+    if _override is not None:
+        return _override
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def padded_rows(rows: int) -> int:
     """The row count a step of `rows` positions runs its dense layers on."""
-    smallest = 1 if _one_row else 2
-    return PAD_TO if smallest <= rows < PAD_TO and enabled() else rows
+    return PAD_TO if _from_rows <= rows < PAD_TO and enabled() else rows
 
 
 def pad_rows(x: mx.array, rows: int) -> mx.array:
