@@ -709,7 +709,8 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
         row["mtp_depths"] = {}
         for depth in args.mtp_depths:  # deeper drafts at alpha 0.7, each position drawn alike
             previous = install_oracle(0.7, seed=3)
-            try:
+            try:  # each step shape pays one-time costs first (kernels built, compiled traces)
+                await engine_decode(engine, prompt, WARM_BATCH_TOKENS, 1, True, depth)
                 on = await engine_decode(engine, prompt, args.tokens, args.repeats, True, depth)
             finally:
                 restore_decide(previous)
