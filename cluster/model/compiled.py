@@ -1,8 +1,9 @@
 """`mx.compile` for the short, fixed-shape pieces of a decode step, where it pays.
 
-On MLX CUDA a decode step is bound by the host: Python builds each op's graph node and the
-backend launches one kernel per op. GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal
-has mlx-lm's fused kernel) is some 30 small ops per layer and position. Compiled, a layer's
+On MLX CUDA each op of a decode step costs host time twice (Python builds its graph node, the
+backend launches one kernel for it), and the device runs those kernels one after the other.
+GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal has mlx-lm's fused kernel) is some
+30 small ops per layer and position. Compiled, a layer's
 step is one call that replays a traced graph in C++ with its elementwise chains fused into a
 few kernels. A compiled function is traced once per input shape, so only steps of a few
 positions (decode, verify) take this path: one request's whole GatedDeltaNet layer
