@@ -77,7 +77,8 @@ def profile(model_dir: Path, batch: int, iters: int, compiled_batches: bool = Fa
     runner.shard = _TimedShard(runner.shard, parts)
     runner.tail.finish = _timed_finish(runner.tail.finish, parts)
     ids = tuple(load_tokenizer(model_dir).encode(TEXT_PROMPTS[0]))
-    plans = [(size, mtp, False) for size in (1, batch) for mtp in (False, True)]
+    # dict.fromkeys: --batch 1 names the one-request kinds once (each kind is its own requests)
+    plans = list(dict.fromkeys((size, mtp, False) for size in (1, batch) for mtp in (False, True)))
     if compiled_batches:
         plans += [(batch, mtp, True) for mtp in (False, True)]
     kinds = {
