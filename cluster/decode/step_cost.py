@@ -23,10 +23,15 @@ class StepCost:
     _positions: list[int] = field(default_factory=list)  # measured counts, sorted
     _seconds: dict[int, float] = field(default_factory=dict)
     _samples: dict[int, int] = field(default_factory=dict)
+    # Every batch recorded, whatever its size: what a benchmark sets against its wall time.
+    total_seconds: float = 0.0
+    total_batches: int = 0
 
     def record(self, positions: int, seconds: float) -> None:
         if positions < 1 or seconds < 0:
             raise ValueError(f"a batch of {positions} positions in {seconds} s")
+        self.total_seconds += seconds
+        self.total_batches += 1
         old = self._seconds.get(positions)
         if old is None:
             bisect.insort(self._positions, positions)
