@@ -1246,7 +1246,8 @@ def summarize(report: dict) -> None:
             f"{v_off:.1f} tok/s = {per_token:.2f} ms/token = "
             f"{per_token / st['plain']['median_ms']:.2f}x the step timed above, "
             f"{v['mtp_off'].get('engine_over_steps') or float('nan'):.3f}x its own steps; "
-            f"on a=0.7 {v_on:.1f}"
+            f"on a=0.7 {v_on:.1f} "
+            f"({v['mtp_on']['0.7'].get('engine_over_steps') or float('nan'):.3f}x its own steps)"
             + "".join(
                 f"; depth {d} {r['median_tps']:.1f}" for d, r in v.get("mtp_depths", {}).items()
             )
