@@ -1,0 +1,35 @@
+"""`cluster.bench.gpu_bench` runs end to end on the tiny shape (CPU), so that a change to it is
+caught here rather than on a GPU machine whose minutes are scarce. Its figures are not checked
+(speed is reported by benchmarks, never asserted in tests), only that every phase asked for
+ran and reported what the summary reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RUN_TIMEOUT_S = 300
+
+
+def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
+         "--dir", str(tmp_path / "ckpt"), "--json", str(out),
+         "--skip", "pipeline,nodes,mlx_lm", "--variants", "fused",
+         "--tokens", "8", "--repeats", "1", "--concurrent", "2", "--alphas", "0.7",
+         "--mtp-depths", "2", "--step-iters", "2", "--step-warmup", "1", "--prompt-len", "16"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    single = report["single"]
+    assert list(single["variants"]) == ["fused"]
+    for row in single["variants"].values():
+        assert row["steps"]["verify_over_plain"] > 0
+        for decode in (row["mtp_off"], row["mtp_on"]["0.7"], row["mtp_depths"]["2"]):
+            assert decode["tokens"] == [8] and decode["engine_over_steps"] > 0
+    assert single["concurrent"]["requests"] == 2 and single["concurrent_compiled"]["runs"]
+    assert "engine, 1 process: MTP off" in done.stdout and "its own steps" in done.stdout
