@@ -1,12 +1,12 @@
 """A short step's residual stream padded to the row count MLX CUDA's matmuls run cheapest.
 
 MLX CUDA's 4-bit quantized matmul pays per row from 2 to 7 rows and takes a GEMM path from 8
-rows on (17408x5120: 0.079 ms at 1 row, 0.138 at 2, 0.058 at 8 per call; MEASUREMENTS.md). So a
-step of 2 to 7 rows (a verify step `[y, d]`, a deeper draft, a small batch) could run its
-projections, norms and MLPs on `PAD_TO` rows: `ModelShard` appends zero rows to the stream once
-at its entry and drops them at its exit, and each token mixer (GatedDeltaNet's conv and
-recurrence, attention over the KV cache) takes the real rows only and hands its output back
-padded again.
+rows on (17408x5120: 0.079 ms at 1 row, 0.138 at 2, 0.058 at 8 per call; the project's shared
+MEASUREMENTS.md). So a step of 2 to 7 rows (a verify step `[y, d]`, a deeper draft, a small
+batch) could run its projections, norms and MLPs on `PAD_TO` rows: `ModelShard` appends zero rows
+to the stream once at its entry and drops them at its exit, and each token mixer (GatedDeltaNet's
+conv and recurrence, attention over the KV cache) takes the real rows only and hands its output
+back padded again.
 
 The real rows compute what they would alone: every row of a matmul, norm or MLP depends on its
 own row only, and a zero row stays exactly zero through a dense layer (no biases; RMSNorm and
@@ -14,7 +14,7 @@ SwiGLU of zero are zero). On the CPU the outputs are bit-identical (tests/test_d
 on CUDA the GEMM path sums in another order than the few-row kernel, as any batch size would.
 MoE shards are never padded: their router would send the zero rows to experts.
 
-Measured on an H200 at the 27B shape, 4 bits (BENCHMARKS.md, issue 10, runs L and M), it pays
+Measured on an H200 at the 27B shape, 4 bits (BENCHMARKS.md, issue 10, runs L and N), it pays
 from 4 rows on, not below, so on CUDA it pads steps of 4 to 7 rows (`PAD_FROM`): the backbone's
 4-position step took 43.6 ms padded against 64.5 unpadded, while its 2-position (verify) step
 took 41.0 against 34.7 and a one-position step padded to 8 rows 40.8 against 20.9. That is why
