@@ -64,7 +64,7 @@ from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import MtpDepth, RequestOptions, StepRequest, parse_mtp_depth
-from cluster.model import compiled, row_padding
+from cluster.model import compiled, few_row_matmul, row_padding
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
@@ -400,7 +400,7 @@ def backbone_shapes(shard: ModelShard, prompt: tuple[int, ...], iters: int, warm
     cache.begin_step(0, len(prompt))
     mx.eval(shard(shard.embed(mx.array(prompt)[None]), [Segment(cache, len(prompt), len(prompt))]))
     out = {}
-    for length, confirmed in ((1, 1), (2, 2), (2, 1), (4, 4)):
+    for length, confirmed in ((1, 1), (2, 2), (2, 1), (4, 4), (8, 8)):
         times = []
         for _ in range(warmup + iters):
             tokens = mx.array([rng.randrange(vocab) for _ in range(length)])[None]
@@ -416,10 +416,13 @@ def backbone_shapes(shard: ModelShard, prompt: tuple[int, ...], iters: int, warm
 def qmm_micro(
     config: ModelConfig, group_size: int, bits: int, copies: int = 8, iters: int = 20
 ) -> dict:
-    """MLX's quantized matmul by rows M and output size N (ms per call, weight GB/s), over
-    `copies` distinct weights so that they do not sit in L2; M=2 also as two M=1 calls.
-    Shapes (N, K) of the model's projections, and N = 16384 (MLX CUDA's bound for its
-    one-row kernel on sm90) when the MLP is wider than that."""
+    """The quantized matmul by rows M and output size N, MLX's (`mlx_*`) and, where it runs,
+    the few-row kernel (`kernel_*`, `cluster.model.few_row_matmul`): ms per call and weight
+    GB/s over `copies` distinct weights, so that they do not sit in L2, as independent calls
+    (throughput: `mlp_chain` has the latency of a chain). The kernel's largest error against
+    MLX relative to the output's largest value, and whether each of its rows equals the
+    one-row call bit for bit. Shapes (N, K) of the model's projections, and N = 16384 (MLX
+    CUDA's bound for its one-row kernel on sm90) when the MLP is wider than that."""
     t = config.text
     qkv = 2 * t.linear_num_key_heads * t.linear_key_head_dim
     qkv += t.linear_num_value_heads * t.linear_value_head_dim
@@ -448,29 +451,34 @@ def qmm_micro(
 
 def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> dict:
     nbytes = sum(a.nbytes for a in weights[0])
+    kernel = few_row_matmul.available() and bits in few_row_matmul.BITS
 
-    def calls(x: mx.array, split: bool) -> list[mx.array]:
-        rows = [x[:, i : i + 1] for i in range(x.shape[1])] if split else [x]
-        return [
-            mx.quantized_matmul(r, *w, transpose=True, group_size=group_size, bits=bits)
-            for w in weights
-            for r in rows
-        ]
+    def mlx(x: mx.array, w: tuple) -> mx.array:
+        return mx.quantized_matmul(x, *w, transpose=True, group_size=group_size, bits=bits)
 
-    row = {}
-    for m in (1, 2, 4, 8):
-        x = mx.random.normal((1, m, k)).astype(mx.bfloat16)
-        t = _timed(lambda x=x: calls(x, False), iters, 3) / len(weights)
-        row[f"M{m}_ms"] = t
-        row[f"M{m}_gb_per_s"] = nbytes / t / 1e6
-        if m == 2:
-            row["M2_as_two_M1_ms"] = _timed(lambda x=x: calls(x, True), iters, 3) / len(weights)
+    def ours(x: mx.array, w: tuple) -> mx.array:
+        return few_row_matmul.few_row_quantized_matmul(x, *w, group_size=group_size, bits=bits)
+
+    row: dict[str, Any] = {}
+    for m in (1, 2, 4, 8, 16):
+        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        for label, fn in (("mlx", mlx), ("kernel", ours)) if kernel else (("mlx", mlx),):
+            t = _timed(lambda x=x, fn=fn: [fn(x, w) for w in weights], iters, 3) / len(weights)
+            row[f"{label}_M{m}_ms"] = t
+            row[f"{label}_M{m}_gb_per_s"] = nbytes / t / 1e6
+        if kernel:
+            reference, got = mlx(x, weights[0]), ours(x, weights[0])
+            alone = mx.concatenate([ours(x[i : i + 1], weights[0]) for i in range(m)])
+            scale = mx.abs(reference).max()
+            row[f"kernel_M{m}_rel_err"] = (mx.abs(got - reference).max() / scale).item()
+            row[f"kernel_M{m}_rows_alone_equal"] = mx.array_equal(got, alone).item()
     return row
 
 
 def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
     """The shard's MLPs by rows M (ms per layer), run as a model runs them, each layer's input
-    the previous one's output, and as independent calls on one input. Independent calls may
+    the previous one's output, and as independent calls on one input; with MLX's quantized
+    matmul, and with the few-row kernel (`kernel_*`) where it runs. Independent calls may
     overlap on the device (MLX CUDA records a step as a graph), so `qmm_micro`'s cost per
     call is throughput; the chain's is the latency a step pays."""
     layers = shard.layers[: min(32, len(shard.layers))]
@@ -481,12 +489,16 @@ def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
         return x
 
     out: dict[str, Any] = {}
-    for m in (1, 2, 4, 8):
-        x = mx.random.normal((1, m, shard.hidden_size)).astype(mx.bfloat16)
-        out[f"chain_M{m}_ms"] = _timed(lambda x=x: chain(x), iters, 3) / len(layers)
-        out[f"independent_M{m}_ms"] = _timed(
-            lambda x=x: [layer.mlp(x) for layer in layers], iters, 3
-        ) / len(layers)
+    for kernel in (False, True) if few_row_matmul.available() else (False,):
+        few_row_matmul.set_enabled(kernel)  # the layers are `FewRowQuantizedLinear`s on CUDA
+        label = "kernel_" if kernel else ""
+        for m in (1, 2, 4, 8, 16):
+            x = mx.random.normal((1, m, shard.hidden_size)).astype(mx.bfloat16)
+            out[f"{label}chain_M{m}_ms"] = _timed(lambda x=x: chain(x), iters, 3) / len(layers)
+            out[f"{label}independent_M{m}_ms"] = _timed(
+                lambda x=x: [layer.mlp(x) for layer in layers], iters, 3
+            ) / len(layers)
+    few_row_matmul.set_enabled(None)
     return out
 
 
@@ -524,11 +536,14 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     shard = await worker.run(load_shard, path, for_decoding=True)
     diag["mlp_chain"] = await worker.run(mlp_chain, shard)
     print(f"  MLPs by rows, chained and independent {json.dumps(diag['mlp_chain'])}", flush=True)
-    for key, pad in (("backbone_ms", False), ("backbone_padded_ms", True)):
-        await worker.run(row_padding.set_enabled, pad)
+    backbones = [("backbone_ms", False, False), ("backbone_padded_ms", True, False)]
+    if few_row_matmul.available():
+        backbones.append(("backbone_few_row_ms", False, True))
+    for key, pad, few_row in backbones:
+        await worker.run(_set_variant, None, None, row_padding.PAD_FROM if pad else 0, few_row)
         diag[key] = await worker.run(backbone_shapes, shard, prompt, 30, 5)
         print(f"  {key} {json.dumps(diag[key])}", flush=True)
-    await worker.run(row_padding.set_enabled, None)
+    await worker.run(_set_variant, None, None, None, None)
     del shard
     await worker.run(free_memory)
     if "mlx_lm" not in args.skip:
@@ -640,27 +655,33 @@ async def engine_decode(
 
 # The decoding fast path in steps, each measured against the one before in the same process:
 # (name, projections fused at load, compiled GatedDeltaNet recurrence, whole GatedDeltaNet
-# layers compiled, the row count from which a step's stream is padded to 8 rows, 0: never;
-# `cluster.model.row_padding`, whose default on CUDA is `+padded`).
+# layers compiled, the row count from which a step's stream is padded to 8 rows, 0: never
+# (`cluster.model.row_padding`), the few-row quantized matmul kernel
+# (`cluster.model.few_row_matmul`, the default on CUDA: `+few-row`)).
 VARIANTS = (
-    ("plain", False, False, False, 0),
-    ("fused", True, False, False, 0),
-    ("fused+compiled", True, True, False, 0),
-    ("fused+compiled-layers", True, True, True, 0),
-    ("fused+compiled-layers+padded", True, True, True, row_padding.PAD_FROM),
-    ("fused+compiled-layers+padded2", True, True, True, 2),
-    ("fused+compiled-layers+padded1", True, True, True, 1),
+    ("plain", False, False, False, 0, False),
+    ("fused", True, False, False, 0, False),
+    ("fused+compiled", True, True, False, 0, False),
+    ("fused+compiled-layers", True, True, True, 0, False),
+    ("fused+compiled-layers+padded", True, True, True, row_padding.PAD_FROM, False),
+    ("fused+compiled-layers+padded2", True, True, True, 2, False),
+    ("fused+compiled-layers+padded1", True, True, True, 1, False),
+    ("fused+compiled-layers+few-row", True, True, True, 0, True),
 )
 WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
 DEFAULT_VARIANTS = (
-    "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded"
+    "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded",
+    "fused+compiled-layers+few-row",
 )  # fmt: skip
 
 
-def _set_variant(compile_on: bool | None, layers_on: bool | None, pad_from: int | None) -> None:
+def _set_variant(
+    compile_on: bool | None, layers_on: bool | None, pad_from: int | None, few_row: bool | None
+) -> None:
     """A variant's switches; None everywhere restores the per-backend defaults."""
     compiled.set_enabled(compile_on)
     compiled.set_layers_enabled(layers_on)
+    few_row_matmul.set_enabled(few_row)
     if pad_from is None:
         row_padding.set_enabled(None)
     else:
@@ -675,7 +696,9 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
     worker = MLXWorker()
     shard = None
     for name in args.variants:
-        _, fuse_on, compile_on, layers_on, pad_from = next(v for v in VARIANTS if v[0] == name)
+        _, fuse_on, compile_on, layers_on, pad_from, few_row = next(
+            v for v in VARIANTS if v[0] == name
+        )
         if shard is None or fuse_on != single.get("fused"):
             shard = runner = None
             await worker.run(free_memory)
@@ -691,7 +714,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             if "bandwidth" not in single:
                 bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
-        await worker.run(_set_variant, compile_on, layers_on, pad_from)
+        await worker.run(_set_variant, compile_on, layers_on, pad_from, few_row)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}
         row["steps"] = await worker.run(
@@ -744,7 +767,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
         del engine, pipeline
     single.update(single["variants"][args.variants[-1]])
     del shard, runner
-    await worker.run(_set_variant, None, None, None)
+    await worker.run(_set_variant, None, None, None, None)
     await worker.run(free_memory)
     worker.close()
 

@@ -29,7 +29,7 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
-from cluster.model import compiled
+from cluster.model import compiled, few_row_matmul
 from cluster.model.cache import RequestCache
 from cluster.model.row_padding import pad_rows
 
@@ -333,8 +333,9 @@ class PackedDecoderLayer(DecoderLayer):
         conv_state, state = gdn.states(segments, slot, x.dtype)
         snapshot_at = tuple(range(n_confirmed, length))
         steps = self.__dict__.setdefault("_compiled_steps", {})
-        if (step := steps.get((length, snapshot_at))) is None:
-            step = steps[length, snapshot_at] = mx.compile(
+        key = (length, snapshot_at, few_row_matmul.enabled())  # the kernel is traced in or not
+        if (step := steps.get(key)) is None:
+            step = steps[key] = mx.compile(
                 functools.partial(_linear_layer_step, self, length=length, snapshot_at=snapshot_at)
             )
         h, *new_states = step(x, conv_state, state)

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
-from cluster.model import fused
+from cluster.model import few_row_matmul, fused
 from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ def load_shard(
 
     `mtp=False` leaves the MTP head out. `for_decoding` readies a shard that runs steps (nodes,
     the local engine), not one whose parameters are written back out: the projections that
-    share an input become one matmul (`cluster.model.fused`).
+    share an input become one matmul (`cluster.model.fused`), and on CUDA the quantized ones
+    run the few-row kernel (`cluster.model.few_row_matmul`).
     A config that declares MTP on a checkpoint without any `mtp.*` tensor (mlx-lm's own
     conversion drops them) loads without it, with a warning.
     """
@@ -121,6 +122,8 @@ def load_shard(
     shard.load_weights(list(weights.items()), strict=True)
     if for_decoding:  # on the lazy weights: the parts are read straight into the fused arrays
         fused.fuse_projections(shard)
+        if few_row_matmul.available():
+            few_row_matmul.use_few_row_kernel(shard)
     shard.eval()
     mx.eval(shard.parameters())
     return shard

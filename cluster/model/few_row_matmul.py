@@ -1,0 +1,301 @@
+"""A quantized matmul for the few rows of a decode step, as one CUDA kernel.
+
+A decode step multiplies 1 to 16 rows (one token, a verify step `[y, d]`, a deeper draft, a
+small batch) by every weight matrix of the model, so its time is the time to read the weights
+once. MLX CUDA's own kernels do not get there (MLX 0.32.4, H200, 27B shape, 4 bits; BENCHMARKS.md,
+issue 10, run N): its one-row kernel reads about 0.7 TB/s, it pays per row from 2 to 7 rows,
+and its 8-row GEMM path costs two one-row calls in a chain of dependent layers. This kernel
+reads each weight once for all rows, at any row count up to `MAX_ROWS`:
+
+- a warp computes `ROWS_PER_WARP` output columns; each lane takes 32 consecutive inputs (one
+  16-byte load of 4-bit weights per column, half a quantization group of 64) per step along
+  the input axis, and the warp's lanes together cover 1024 inputs per step;
+- the lane multiplies the raw quantized values by each row's inputs and applies the group's
+  scale and bias once per step: `sum(w * x) = scale * sum(q * x) + bias * sum(x)`, where
+  `sum(x)` is shared by every column;
+- quantized values become floats by the exponent trick (`0x4B000000 | q` is the float
+  `2**23 + q`), not by integer conversion, which runs at a sixteenth of the FMA rate;
+- the warp's partial sums meet by shuffles and lane `i` writes the i-th of them.
+
+Every row is computed in the same order whatever the row count, so a row's output does not
+depend on the rows beside it (batch invariance): a verify step's first row equals the plain
+step of the same token bit for bit, which keeps greedy decoding with MTP identical to decoding
+without it on this path too.
+
+On where it runs (CUDA: `available`, `enabled`); Metal and the CPU keep MLX's kernels. It takes
+affine quantization at 4 or 8 bits with groups of 32, 64 or 128, inputs of 2-byte floats
+whose width is a multiple of 32, and scales of the input's dtype; anything else, and steps of
+more than `MAX_ROWS` rows, go to `mx.quantized_matmul`. Applied at load
+(`cluster.model.loading.load_shard(..., for_decoding=True)`) by `use_few_row_kernel`, which
+swaps each eligible `nn.QuantizedLinear` for a `FewRowQuantizedLinear` over the same arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+__all__ = [
+    "MAX_ROWS", "FewRowQuantizedLinear", "available", "enabled", "few_row_quantized_matmul",
+    "set_enabled", "use_few_row_kernel",
+]  # fmt: skip
+
+MAX_ROWS = 16  # beyond this MLX's GEMM path reads the weights once as well
+ROWS_PER_WARP = 4  # output columns per warp: each loaded input row serves this many
+THREADS_PER_BLOCK = 128
+LANE_VALUES = 32  # inputs a lane takes per step; within one group for every group size below
+GROUP_SIZES = (32, 64, 128)
+BITS = (4, 8)
+
+_HEADER = """
+// The float 2**23 + q for 0 <= q < 2**23, minus 2**23: q as a float in two full-rate ops.
+__device__ __forceinline__ float quantized_value(uint32_t q) {
+  return __uint_as_float(0x4B000000u | q) - 8388608.0f;
+}
+"""
+
+# Template constants: T (the input, scale and output dtype), R (rows), BITS, GROUP, NR (output
+# columns per warp). Inputs: x [R, K], w [N, K * BITS / 32] uint32, scales and biases
+# [N, K / GROUP]. Output: y [R, N].
+_SOURCE = """
+  constexpr int VALUES_PER_WORD = 32 / BITS;
+  constexpr int LANE_VALUES = 32;
+  constexpr int LANE_WORDS = LANE_VALUES / VALUES_PER_WORD;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int n_out = w_shape[0];
+  const int k_words = w_shape[1];
+  const int k_in = k_words * VALUES_PER_WORD;
+  const int groups = k_in / GROUP;
+  const int lane = threadIdx.x & 31;
+  const int first = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * NR;
+  if (first >= n_out) {
+    return;  // the whole warp: its columns start past the end
+  }
+
+  const uint32_t* w_col[NR];
+  const T* scale_col[NR];
+  const T* bias_col[NR];
+#pragma unroll
+  for (int c = 0; c < NR; ++c) {
+    const size_t n = min(first + c, n_out - 1);  // past the end: computed, not written
+    w_col[c] = w + n * k_words;
+    scale_col[c] = scales + n * groups;
+    bias_col[c] = biases + n * groups;
+  }
+
+  float acc[NR][R];
+#pragma unroll
+  for (int c = 0; c < NR; ++c) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[c][r] = 0.0f;
+    }
+  }
+
+  for (int k = lane * LANE_VALUES; k < k_in; k += 32 * LANE_VALUES) {
+    uint32_t words[NR][LANE_WORDS];
+#pragma unroll
+    for (int c = 0; c < NR; ++c) {
+      const uint4* src = reinterpret_cast<const uint4*>(w_col[c] + k / VALUES_PER_WORD);
+#pragma unroll
+      for (int i = 0; i < LANE_WORDS / 4; ++i) {
+        const uint4 v = src[i];
+        words[c][4 * i] = v.x;
+        words[c][4 * i + 1] = v.y;
+        words[c][4 * i + 2] = v.z;
+        words[c][4 * i + 3] = v.w;
+      }
+    }
+    float dot[NR][R];
+    float x_sum[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      x_sum[r] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < NR; ++c) {
+        dot[c][r] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int part = 0; part < LANE_VALUES / 8; ++part) {
+      float xv[R][8];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint4 v = *reinterpret_cast<const uint4*>(x + size_t(r) * k_in + k + 8 * part);
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          xv[r][j] = static_cast<float>(e[j]);
+          x_sum[r] += xv[r][j];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int i = 8 * part + j;
+#pragma unroll
+        for (int c = 0; c < NR; ++c) {
+          const uint32_t word = words[c][i / VALUES_PER_WORD];
+          const float q = quantized_value((word >> ((i % VALUES_PER_WORD) * BITS)) & MASK);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            dot[c][r] = fmaf(xv[r][j], q, dot[c][r]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < NR; ++c) {
+      const float s = static_cast<float>(scale_col[c][k / GROUP]);
+      const float b = static_cast<float>(bias_col[c][k / GROUP]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        acc[c][r] = fmaf(s, dot[c][r], fmaf(b, x_sum[r], acc[c][r]));
+      }
+    }
+  }
+
+  // Every lane ends with every sum; lane c * R + r writes column c of row r.
+  float mine = 0.0f;
+#pragma unroll
+  for (int c = 0; c < NR; ++c) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc[c][r];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      }
+      if (lane == c * R + r) {
+        mine = v;
+      }
+    }
+  }
+  if (lane < NR * R) {
+    const int c = lane / R;
+    const int r = lane % R;
+    if (first + c < n_out) {
+      y[size_t(r) * n_out + first + c] = static_cast<T>(mine);
+    }
+  }
+"""
+
+_override: bool | None = None
+
+
+def available() -> bool:
+    """Whether the kernel can run here: MLX on CUDA."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def set_enabled(on: bool | None) -> None:
+    """Force the kernel on or off for the calls from now on (None: on where it is
+    `available`); off, a `FewRowQuantizedLinear` is an `nn.QuantizedLinear`. Compiled steps
+    traced before keep what they traced (`cluster.model.layers` keys its traces by this)."""
+    global _override
+    _override = on
+
+
+def enabled() -> bool:
+    return available() if _override is None else _override
+
+
+@functools.cache
+def _kernel() -> Callable:
+    return mx.fast.cuda_kernel(
+        name="few_row_quantized_matmul",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["y"],
+        source=_SOURCE,
+        header=_HEADER,
+    )
+
+
+def _rows_per_warp(rows: int) -> int:
+    # The lanes write the warp's columns x rows sums, one each: at most 32 of them.
+    return max(1, min(ROWS_PER_WARP, 32 // rows))
+
+
+def few_row_quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
+) -> mx.array:
+    """`x @ dequantize(w).T` for `x` of shape [rows, K], 1 <= rows <= MAX_ROWS, as
+    `mx.quantized_matmul(x, w, scales, biases, transpose=True)` computes it (CUDA only)."""
+    rows = x.shape[0]
+    n_out = w.shape[0]
+    per_warp = _rows_per_warp(rows)
+    warps = -(-n_out // per_warp)
+    (y,) = _kernel()(
+        inputs=[x, w, scales, biases],
+        template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GROUP", group_size),
+                  ("NR", per_warp)],
+        grid=(warps * 32, 1, 1),
+        threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        output_shapes=[(rows, n_out)],
+        output_dtypes=[x.dtype],
+    )  # fmt: skip
+    return y
+
+
+class FewRowQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose steps of up to `MAX_ROWS` rows run the few-row kernel."""
+
+    @staticmethod
+    def supports(layer: nn.Module) -> bool:
+        """Whether `layer` is a plain affine `nn.QuantizedLinear` the kernel computes."""
+        if type(layer) is not nn.QuantizedLinear or layer.mode != "affine":
+            return False
+        if layer.bits not in BITS or layer.group_size not in GROUP_SIZES:
+            return False
+        scales = layer["scales"]
+        in_dims = layer["weight"].shape[1] * 32 // layer.bits
+        return (
+            in_dims % LANE_VALUES == 0
+            and scales.dtype in (mx.bfloat16, mx.float16)
+            and layer.get("biases") is not None
+            and layer["biases"].dtype == scales.dtype
+        )
+
+    @classmethod
+    def like(cls, layer: nn.QuantizedLinear) -> FewRowQuantizedLinear:
+        """A `FewRowQuantizedLinear` over `layer`'s own arrays (nothing is copied)."""
+        # The smallest valid instance (its random init is one group); the arrays replace it.
+        new = cls(layer.group_size, 1, bias="bias" in layer, group_size=layer.group_size,
+                  bits=layer.bits, mode=layer.mode)  # fmt: skip
+        for name, value in layer.items():
+            setattr(new, name, value)
+        new.freeze()
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if not (enabled() and 1 <= rows <= MAX_ROWS and x.dtype == self["scales"].dtype):
+            return super().__call__(x)
+        y = few_row_quantized_matmul(
+            x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"],
+            group_size=self.group_size, bits=self.bits,
+        )  # fmt: skip
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def use_few_row_kernel(module: nn.Module) -> int:
+    """Swap every eligible quantized linear map under `module` for a `FewRowQuantizedLinear`
+    over the same arrays, in place; returns how many were swapped."""
+    swapped = 0
+
+    def swap(layer: nn.Module) -> nn.Module:
+        nonlocal swapped
+        if not FewRowQuantizedLinear.supports(layer):
+            return layer
+        swapped += 1
+        return FewRowQuantizedLinear.like(layer)
+
+    leaves = tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
+    module.update_modules(leaves)
+    return swapped

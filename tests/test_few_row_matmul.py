@@ -1,0 +1,138 @@
+"""The few-row quantized matmul (`cluster.model.few_row_matmul`).
+
+Everywhere: which linear maps take it, that they keep their arrays, and that with the kernel
+off they compute exactly what `nn.QuantizedLinear` does. Where MLX runs on CUDA (the kernel
+itself; run there with `python -m pytest tests/test_few_row_matmul.py`): the kernel against
+a float32 reference and MLX's own kernel, each row independent of the rows beside it, and
+greedy decoding of the bundled model at 4 bits identical with the kernel and without, with MTP
+(a rejected draft rolled back) and without.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from conftest import CODE_PROMPTS, run
+from test_engine import _generate_all
+
+from cluster.model import few_row_matmul
+from cluster.model.convert import convert
+from cluster.model.few_row_matmul import FewRowQuantizedLinear, use_few_row_kernel
+from cluster.model.loading import load_shard
+
+on_cuda = pytest.mark.skipif(
+    not few_row_matmul.available(), reason="the kernel runs on MLX's CUDA backend only"
+)
+
+
+@pytest.fixture
+def kernel_off():
+    few_row_matmul.set_enabled(False)
+    yield
+    few_row_matmul.set_enabled(None)
+
+
+def _quantized(k: int, n: int, *, bits: int = 4, group_size: int = 64, bias: bool = False):
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(k, n, bias=bias), group_size, bits)
+    layer.update({k: v.astype(mx.bfloat16) for k, v in layer.items() if k != "weight"})
+    return layer
+
+
+def _input(layer: nn.Module) -> mx.array:
+    quantized = isinstance(layer, nn.QuantizedLinear)
+    width = layer.weight.shape[1] * 32 // layer.bits if quantized else layer.weight.shape[1]
+    return mx.random.normal((1, 3, width)).astype(layer.scales.dtype if quantized else mx.float32)
+
+
+def test_eligible_layers_are_swapped_over_their_own_arrays(kernel_off) -> None:
+    model = nn.Module()
+    model.q4 = _quantized(256, 70, bias=True)
+    model.q8 = _quantized(128, 33, bits=8, group_size=128)
+    model.narrow = _quantized(96, 8, group_size=32)  # 96 inputs: a multiple of 32
+    model.layers = [_quantized(128, 16)]
+    model.bits3 = _quantized(256, 8, bits=3)  # a width the kernel does not take
+    model.float32_scales = nn.QuantizedLinear.from_linear(nn.Linear(128, 8), 64, 4)
+    model.dense = nn.Linear(128, 8)
+    layers = {name: m for name, m in model.named_modules() if name}
+    arrays = {name: dict(m.items()) for name, m in layers.items()}
+    inputs = {name: _input(m) for name, m in layers.items()}
+    expected = {name: m(inputs[name]) for name, m in layers.items()}
+
+    assert use_few_row_kernel(model) == 4
+    layers = {name: m for name, m in model.named_modules() if name}
+    swapped = {name for name, m in layers.items() if isinstance(m, FewRowQuantizedLinear)}
+    assert swapped == {"q4", "q8", "narrow", "layers.0"}
+    for name, layer in layers.items():
+        if name in swapped:  # the same arrays, frozen as nn.QuantizedLinear is
+            assert set(layer) == set(arrays[name])
+            assert all(layer[k] is v for k, v in arrays[name].items())
+            assert layer.trainable_parameters() == {}
+        else:
+            assert type(layer) in (nn.QuantizedLinear, nn.Linear)
+        assert mx.array_equal(layer(inputs[name]), expected[name]), name
+
+
+def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -> None:
+    q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
+    shard = load_shard(q4, for_decoding=True)
+    swapped = [m for _, m in shard.named_modules() if isinstance(m, FewRowQuantizedLinear)]
+    if few_row_matmul.available():  # every projection, fused ones too, and the lm_head
+        assert swapped and shard.lm_head.__class__ is FewRowQuantizedLinear
+        assert not any(type(m) is nn.QuantizedLinear for _, m in shard.named_modules())
+    else:
+        assert swapped == []
+
+
+def _reference(x: mx.array, layer: nn.QuantizedLinear) -> mx.array:
+    w = mx.dequantize(
+        layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits
+    )
+    return x.astype(mx.float32) @ w.astype(mx.float32).T
+
+
+@on_cuda
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 128), (8, 64)])
+def test_kernel_matches_a_float32_reference(bits: int, group_size: int) -> None:
+    mx.random.seed(0)
+    # 1152 inputs: the lanes' last step runs past the end (1024 a step); 301 outputs: the last
+    # warp's columns run past the end too.
+    layer = _quantized(1152, 301, bits=bits, group_size=group_size)
+    fast = FewRowQuantizedLinear.like(layer)
+    for rows in (1, 2, 3, 5, 8, 13, 16):
+        x = mx.random.normal((1, rows, 1152)).astype(mx.bfloat16)
+        ours, mlx = fast(x).astype(mx.float32), layer(x).astype(mx.float32)
+        exact = _reference(x, layer)
+        scale = mx.abs(exact).max().item()
+        assert ours.shape == mlx.shape == (1, rows, 301)
+        # Both round their float sums to bf16 once: within bf16's relative step of the exact.
+        assert mx.abs(ours - exact).max().item() <= 2**-7 * scale, rows
+        assert mx.abs(ours - mlx).max().item() <= 2**-6 * scale, rows
+
+
+@on_cuda
+def test_each_row_is_computed_alone() -> None:
+    """Batch invariance: a row's output does not depend on the rows beside it, bit for bit."""
+    mx.random.seed(1)
+    layer = FewRowQuantizedLinear.like(_quantized(2048, 512))
+    x = mx.random.normal((16, 2048)).astype(mx.bfloat16)
+    alone = mx.concatenate([layer(x[i : i + 1]) for i in range(16)])
+    for rows in (2, 4, 7, 16):
+        assert mx.array_equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@on_cuda
+def test_greedy_decoding_identical_with_the_kernel(model_dir, tokenizer, tmp_path) -> None:
+    q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
+    prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
+    few_row_matmul.set_enabled(False)
+    try:
+        reference = run(_generate_all(q4, prompts, mtp=False))
+    finally:
+        few_row_matmul.set_enabled(None)
+    for mtp in (False, True):
+        outs = run(_generate_all(q4, prompts, mtp=mtp))
+        assert [o.tokens for o in outs] == [o.tokens for o in reference], mtp
+    assert 0 < sum(o.accepted for o in outs) < sum(o.drafted for o in outs)  # drafts rejected
+    batched = run(_generate_all(q4, prompts, mtp=True, concurrent=True))
+    assert [o.tokens for o in batched] == [o.tokens for o in reference]
