@@ -18,7 +18,11 @@ from test_engine import _generate_all
 
 from cluster.model import few_row_matmul
 from cluster.model.convert import convert
-from cluster.model.few_row_matmul import FewRowQuantizedLinear, use_few_row_kernel
+from cluster.model.few_row_matmul import (
+    FewRowQuantizedLinear,
+    few_row_quantized_matmul,
+    use_few_row_kernel,
+)
 from cluster.model.loading import load_shard
 
 on_cuda = pytest.mark.skipif(
@@ -98,13 +102,14 @@ def test_kernel_matches_a_float32_reference(bits: int, group_size: int) -> None:
     # 1152 inputs: the lanes' last step runs past the end (1024 a step); 301 outputs: the last
     # warp's columns run past the end too.
     layer = _quantized(1152, 301, bits=bits, group_size=group_size)
-    fast = FewRowQuantizedLinear.like(layer)
-    for rows in (1, 2, 3, 5, 8, 13, 16):
-        x = mx.random.normal((1, rows, 1152)).astype(mx.bfloat16)
-        ours, mlx = fast(x).astype(mx.float32), layer(x).astype(mx.float32)
+    arrays = (layer.weight, layer.scales, layer.biases)
+    for rows in (1, 2, 3, 5, 8, 13, 16, 32):
+        x = mx.random.normal((rows, 1152)).astype(mx.bfloat16)
+        ours = few_row_quantized_matmul(x, *arrays, group_size=group_size, bits=bits)
+        ours, mlx = ours.astype(mx.float32), layer(x).astype(mx.float32)
         exact = _reference(x, layer)
         scale = mx.abs(exact).max().item()
-        assert ours.shape == mlx.shape == (1, rows, 301)
+        assert ours.shape == mlx.shape == (rows, 301)
         # Both round their float sums to bf16 once: within bf16's relative step of the exact.
         assert mx.abs(ours - exact).max().item() <= 2**-7 * scale, rows
         assert mx.abs(ours - mlx).max().item() <= 2**-6 * scale, rows
@@ -114,11 +119,30 @@ def test_kernel_matches_a_float32_reference(bits: int, group_size: int) -> None:
 def test_each_row_is_computed_alone() -> None:
     """Batch invariance: a row's output does not depend on the rows beside it, bit for bit."""
     mx.random.seed(1)
-    layer = FewRowQuantizedLinear.like(_quantized(2048, 512))
+    layer = _quantized(2048, 512)
+
+    def matmul(x: mx.array) -> mx.array:
+        arrays = (layer.weight, layer.scales, layer.biases)
+        return few_row_quantized_matmul(x, *arrays, group_size=64, bits=4)
+
     x = mx.random.normal((16, 2048)).astype(mx.bfloat16)
-    alone = mx.concatenate([layer(x[i : i + 1]) for i in range(16)])
-    for rows in (2, 4, 7, 16):
-        assert mx.array_equal(layer(x[:rows]), alone[:rows]), rows
+    alone = mx.concatenate([matmul(x[i : i + 1]) for i in range(16)])
+    for rows in (2, 3, 4, 7, 16):
+        assert mx.array_equal(matmul(x[:rows]), alone[:rows]), rows
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        matmul(mx.zeros((33, 2048), mx.bfloat16))
+
+
+@on_cuda
+def test_layers_take_the_kernel_for_few_rows_only() -> None:
+    layer = _quantized(1024, 64)
+    fast = FewRowQuantizedLinear.like(layer)
+    for rows in range(1, 9):
+        x = mx.random.normal((1, rows, 1024)).astype(mx.bfloat16)
+        arrays = (layer.weight, layer.scales, layer.biases)
+        kernel = few_row_quantized_matmul(x[0], *arrays, group_size=64, bits=4)[None]
+        expected = kernel if rows <= few_row_matmul.MAX_ROWS else layer(x)
+        assert mx.array_equal(fast(x), expected), rows
 
 
 @on_cuda

@@ -460,7 +460,7 @@ def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> d
         return few_row_matmul.few_row_quantized_matmul(x, *w, group_size=group_size, bits=bits)
 
     row: dict[str, Any] = {}
-    for m in (1, 2, 4, 8, 16):
+    for m in (1, 2, 3, 4, 8, 16):
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
         for label, fn in (("mlx", mlx), ("kernel", ours)) if kernel else (("mlx", mlx),):
             t = _timed(lambda x=x, fn=fn: [fn(x, w) for w in weights], iters, 3) / len(weights)
@@ -492,7 +492,7 @@ def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
     for kernel in (False, True) if few_row_matmul.available() else (False,):
         few_row_matmul.set_enabled(kernel)  # the layers are `FewRowQuantizedLinear`s on CUDA
         label = "kernel_" if kernel else ""
-        for m in (1, 2, 4, 8, 16):
+        for m in (1, 2, 3, 4, 8):
             x = mx.random.normal((1, m, shard.hidden_size)).astype(mx.bfloat16)
             out[f"{label}chain_M{m}_ms"] = _timed(lambda x=x: chain(x), iters, 3) / len(layers)
             out[f"{label}independent_M{m}_ms"] = _timed(
@@ -657,7 +657,8 @@ async def engine_decode(
 # (name, projections fused at load, compiled GatedDeltaNet recurrence, whole GatedDeltaNet
 # layers compiled, the row count from which a step's stream is padded to 8 rows, 0: never
 # (`cluster.model.row_padding`), the few-row quantized matmul kernel
-# (`cluster.model.few_row_matmul`, the default on CUDA: `+few-row`)).
+# (`cluster.model.few_row_matmul`) for steps of up to 3 rows; the default on CUDA is
+# `+padded+few-row`).
 VARIANTS = (
     ("plain", False, False, False, 0, False),
     ("fused", True, False, False, 0, False),
@@ -666,12 +667,12 @@ VARIANTS = (
     ("fused+compiled-layers+padded", True, True, True, row_padding.PAD_FROM, False),
     ("fused+compiled-layers+padded2", True, True, True, 2, False),
     ("fused+compiled-layers+padded1", True, True, True, 1, False),
-    ("fused+compiled-layers+few-row", True, True, True, 0, True),
+    ("fused+compiled-layers+padded+few-row", True, True, True, row_padding.PAD_FROM, True),
 )
 WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
 DEFAULT_VARIANTS = (
     "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded",
-    "fused+compiled-layers+few-row",
+    "fused+compiled-layers+padded+few-row",
 )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ small batch) by every weight matrix of the model, so its time is the time to rea
 once. MLX CUDA's own kernels do not get there (MLX 0.32.4, H200, 27B shape, 4 bits; BENCHMARKS.md,
 issue 10, run N): its one-row kernel reads about 0.7 TB/s, it pays per row from 2 to 7 rows,
 and its 8-row GEMM path costs two one-row calls in a chain of dependent layers. This kernel
-reads each weight once for all rows, at any row count up to `MAX_ROWS`:
+reads each weight once for all rows (up to 32; the model's layers use it up to `MAX_ROWS`):
 
 - a warp computes `ROWS_PER_WARP` output columns; each lane takes 32 consecutive inputs (one
   16-byte load of 4-bit weights per column, half a quantization group of 64) per step along
@@ -44,7 +44,11 @@ __all__ = [
     "set_enabled", "use_few_row_kernel",
 ]  # fmt: skip
 
-MAX_ROWS = 16  # beyond this MLX's GEMM path reads the weights once as well
+# Measured on an H100 (run Q): the kernel is memory-bound up to 2-4 rows and compute-bound
+# after (17408x5120 per call: 0.042 / 0.050 / 0.066 / 0.111 ms at 1 / 2 / 4 / 8 rows, MLX's
+# 0.068 / 0.119 / 0.211 / 0.059); the 27B backbone's 4-row step ran faster padded to 8 rows for
+# MLX's GEMM (`cluster.model.row_padding`) than on the kernel.
+MAX_ROWS = 3
 ROWS_PER_WARP = 4  # output columns per warp: each loaded input row serves this many
 THREADS_PER_BLOCK = 128
 LANE_VALUES = 32  # inputs a lane takes per step; within one group for every group size below
@@ -222,9 +226,11 @@ def _rows_per_warp(rows: int) -> int:
 def few_row_quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
 ) -> mx.array:
-    """`x @ dequantize(w).T` for `x` of shape [rows, K], 1 <= rows <= MAX_ROWS, as
+    """`x @ dequantize(w).T` for `x` of shape [rows, K], 1 <= rows <= 32, as
     `mx.quantized_matmul(x, w, scales, biases, transpose=True)` computes it (CUDA only)."""
     rows = x.shape[0]
+    if not 1 <= rows <= 32:
+        raise ValueError(f"the few-row kernel takes 1 to 32 rows, got {rows}")
     n_out = w.shape[0]
     per_warp = _rows_per_warp(rows)
     warps = -(-n_out // per_warp)

@@ -25,17 +25,16 @@ MLPs: 0.41 against 0.20 ms a layer; 2 rows 0.35, 4 rows 0.65). So padding buys d
 drafts and small batches their rows at the price of about two one-row steps, and the adaptive
 depth (`cluster.decode.mtp_depth`, from the node's measured step costs) sees that price.
 Off on the CPU (its quantized matmul is linear in rows: padding only adds work) and on Metal
-(not measured here: never pad where it may cost), and off on CUDA too where the few-row kernel
-(`cluster.model.few_row_matmul`) runs the quantized matmuls: it reads the weights once for up
-to 16 rows, so padded rows would only add work. `set_enabled` overrides the choice (the
+(not measured here: never pad where it may cost). Steps of 1 to 3 rows run the few-row kernel
+instead (`cluster.model.few_row_matmul`), which reads the weights once for all of them; from 4
+rows on MLX's GEMM on the padded rows was the faster (27B-shape backbone on an H100, run Q:
+44.2 ms padded against 49.6 with the kernel). `set_enabled` overrides the choice (the
 tests, the benchmark's `+padded` variants).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-
-from cluster.model import few_row_matmul
 
 __all__ = ["PAD_FROM", "PAD_TO", "enabled", "pad_rows", "padded_rows", "set_enabled"]
 
@@ -58,8 +57,7 @@ def set_enabled(on: bool | None, *, from_rows: int = PAD_FROM) -> None:
 def enabled() -> bool:
     if _override is not None:
         return _override
-    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    return on_cuda and not few_row_matmul.enabled()
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def padded_rows(rows: int) -> int:
