@@ -4,8 +4,8 @@ Everywhere: which linear maps take it, that they keep their arrays, and that wit
 off they compute exactly what `nn.QuantizedLinear` does. Where MLX runs on CUDA (the kernel
 itself; run there with `python -m pytest tests/test_few_row_matmul.py`): the kernel against
 a float32 reference and MLX's own kernel, each row independent of the rows beside it, and
-greedy decoding of the bundled model at 4 bits identical with the kernel and without, with MTP
-(a rejected draft rolled back) and without.
+greedy decoding at 4 bits identical with the kernel and without, with MTP (rejected drafts
+rolled back) and without, on the bundled model and a MoE fixture.
 """
 
 from __future__ import annotations
@@ -145,18 +145,34 @@ def test_layers_take_the_kernel_for_few_rows_only() -> None:
         assert mx.array_equal(fast(x), expected), rows
 
 
-@on_cuda
-def test_greedy_decoding_identical_with_the_kernel(model_dir, tokenizer, tmp_path) -> None:
-    q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
-    prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
+def _assert_greedy_identical_with_the_kernel(path, prompts: list[list[int]]) -> None:
     few_row_matmul.set_enabled(False)
     try:
-        reference = run(_generate_all(q4, prompts, mtp=False))
+        reference = run(_generate_all(path, prompts, mtp=False))
     finally:
         few_row_matmul.set_enabled(None)
     for mtp in (False, True):
-        outs = run(_generate_all(q4, prompts, mtp=mtp))
+        outs = run(_generate_all(path, prompts, mtp=mtp))
         assert [o.tokens for o in outs] == [o.tokens for o in reference], mtp
     assert 0 < sum(o.accepted for o in outs) < sum(o.drafted for o in outs)  # drafts rejected
-    batched = run(_generate_all(q4, prompts, mtp=True, concurrent=True))
+    batched = run(_generate_all(path, prompts, mtp=True, concurrent=True))
     assert [o.tokens for o in batched] == [o.tokens for o in reference]
+
+
+@on_cuda
+def test_greedy_decoding_identical_with_the_kernel(model_dir, tokenizer, tmp_path) -> None:
+    q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
+    _assert_greedy_identical_with_the_kernel(q4, [tokenizer.encode(p) for p in CODE_PROMPTS[:2]])
+
+
+@on_cuda
+def test_moe_greedy_decoding_identical_with_the_kernel(tmp_path) -> None:
+    """The MoE fixture's attention, GatedDeltaNet and shared-expert projections take the
+    kernel; its experts (`QuantizedSwitchLinear`) keep MLX's gather kernel."""
+    from checkpoints import make_checkpoint
+
+    moe = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
+    q4 = convert(moe, tmp_path / "q4", q_bits=4)
+    shard = load_shard(q4, for_decoding=True)
+    assert any(isinstance(m, FewRowQuantizedLinear) for _, m in shard.named_modules())
+    _assert_greedy_identical_with_the_kernel(q4, [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
