@@ -333,16 +333,20 @@ class RollbackReply(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...
 
 class WeightsManifestRequest(_message.Message):
-    __slots__ = ("model_digest",)
+    __slots__ = ("model_digest", "omit_manifest")
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OMIT_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     model_digest: str
-    def __init__(self, model_digest: _Optional[str] = ...) -> None: ...
+    omit_manifest: bool
+    def __init__(self, model_digest: _Optional[str] = ..., omit_manifest: _Optional[bool] = ...) -> None: ...
 
 class WeightsManifestReply(_message.Message):
-    __slots__ = ("manifest_json",)
+    __slots__ = ("manifest_json", "bulk_port")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     manifest_json: bytes
-    def __init__(self, manifest_json: _Optional[bytes] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, manifest_json: _Optional[bytes] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class WeightsChunkRef(_message.Message):
     __slots__ = ("tensor", "chunk")

@@ -118,3 +118,4 @@ def test_a_node_without_the_model_fetches_it_over_tls(
         server.stop(None)
     assert remote_tokens == local_tokens
     assert service.transfers.snapshot()[0].sent_bytes > 0  # it did fetch, over TLS
+    assert service.bulk_port == 0  # and only over TLS: no plain bulk stream beside it

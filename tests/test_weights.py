@@ -14,6 +14,7 @@ import http.server
 import io
 import json
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from cluster.local import even_ranges, open_local_engine, shard_specs
 from cluster.messages import RequestOptions
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec
+from cluster.weights import bulk
 from cluster.weights.fetch import CRASH_AFTER_ENV, ShardFetcher
 from cluster.weights.listing import models_command
 from cluster.weights.manifest import build_manifest, manifest_for, read_safetensors_header
@@ -304,6 +306,11 @@ def _fetch(port: int, request: pb.WeightsFetchRequest, token: str = nodes.TOKEN)
         return [bytes(m) for m in call(request, timeout=10, metadata=token_metadata(token))]
 
 
+def _fetch_bulk(port: int, request: pb.WeightsFetchRequest, token: str = nodes.TOKEN) -> list:
+    return [bytes(m) for m in bulk.fetch_pieces(("127.0.0.1", port), token, request)]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "bulk"])
 @pytest.mark.parametrize(
     ("request_fields", "code", "says"),
     [
@@ -321,17 +328,60 @@ def _fetch(port: int, request: pb.WeightsFetchRequest, token: str = nodes.TOKEN)
         ({"end": 99}, grpc.StatusCode.INVALID_ARGUMENT, "bad shard"),
     ],
 )  # fmt: skip
-def test_the_service_refuses_what_a_peer_may_not_read(source, request_fields, code, says):
+def test_the_service_refuses_what_a_peer_may_not_read(
+    source, transport, request_fields, code, says
+):
     fields = dict(request_fields)
     token = fields.pop("token", nodes.TOKEN)
     chunks = fields.pop("chunks", [])
     fields = {"model_digest": source.digest, "start": 0, "end": 2, **fields}
     request = pb.WeightsFetchRequest(node_id="peer", is_head=True, **fields)
     request.chunks.extend(pb.WeightsChunkRef(tensor=t, chunk=c) for t, c in chunks)
+    if transport == "bulk":  # the same checks and words, without gRPC's status codes
+        with pytest.raises(bulk.BulkRefused, match=says):
+            _fetch_bulk(source.service.bulk_port, request, token)
+        return
     with pytest.raises(grpc.RpcError) as error:
         _fetch(source.port, request, token)
     assert error.value.code() == code
     assert says in error.value.details()
+
+
+@pytest.mark.parametrize(
+    ("hello", "says"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", "bad magic"),
+        (bulk.MAGIC + (2**20).to_bytes(4, "little"), "token of 1048576 bytes exceeds"),
+        (bulk.MAGIC + b"\0\0\0\0" + (5).to_bytes(4, "little") + b"\xff" * 5, "malformed"),
+    ],
+)
+def test_the_bulk_stream_refuses_a_malformed_hello(source, hello: bytes, says: str):
+    with socket.create_connection(("127.0.0.1", source.service.bulk_port), timeout=10) as sock:
+        sock.sendall(hello)
+        answer = sock.makefile("rb").read()
+    assert answer[:8] == bulk.LENGTH.pack(bulk.REFUSED)
+    assert says in answer[12:].decode()
+
+
+def test_the_bulk_stream_serves_what_grpc_serves(source, tmp_path):
+    """A service without TLS offers the bulk stream and a fetcher takes it; either transport
+    leaves the same verified files."""
+    assert source.service.bulk_port
+    spec = ShardSpec(0, 4, True, False)
+    fetched = {}
+    for use_bulk in (True, False):
+        address = f"127.0.0.1:{source.port}"
+        fetcher = ShardFetcher(address, nodes.TOKEN, node_id=f"bulk={use_bulk}", bulk=use_bulk)
+        try:
+            manifest = fetcher.manifest(source.digest)
+            path = fetcher.fetch_shard(WeightsStore(tmp_path / str(use_bulk)), manifest, spec)
+            assert (fetcher.bulk_address is not None) is use_bulk
+        finally:
+            fetcher.close()
+        model_files = [p for p in path.iterdir() if p.suffix in (".json", ".safetensors")]
+        fetched[use_bulk] = {p.name: p.read_bytes() for p in model_files}
+    assert fetched[True] == fetched[False]
+    assert {"config.json", "model-00001-of-00002.safetensors"} <= set(fetched[True])
 
 
 def test_a_model_directory_that_changes_mid_transfer_is_a_clear_error(
@@ -389,6 +439,22 @@ def test_the_chunk_codec_is_protobufs():
         raw = encode_chunk(data)
         assert raw == pb.WeightsChunk(data=data).SerializeToString()
         assert bytes(decode_chunk(raw)) == data
+
+
+def test_a_node_that_cannot_reach_the_bulk_port_fetches_over_grpc(source, tmp_path, monkeypatch):
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(source.service, "bulk_port", closed.getsockname()[1])
+    fetcher = ShardFetcher(f"127.0.0.1:{source.port}", nodes.TOKEN, node_id="firewalled")
+    try:
+        manifest = fetcher.manifest(source.digest)
+        assert fetcher.bulk_address is not None
+        path = fetcher.fetch_shard(WeightsStore(tmp_path), manifest, ShardSpec(4, 8, False, True))
+        assert fetcher.bulk_address is None  # gave up on it, and fetched over gRPC
+        assert fetcher.progress.verified_bytes == fetcher.progress.total_bytes > 0
+        assert (path / "config.json").is_file()
+    finally:
+        fetcher.close()
 
 
 # ---- through the coordinator: placement, a node's death, progress ----

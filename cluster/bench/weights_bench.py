@@ -9,7 +9,9 @@ as `cluster coordinator` serves it. Each round, in shuffled order, measures on t
   bare grpc   a minimal Python gRPC server stream of 4 MiB raw messages, written with pwrite
               and not verified (what gRPC alone costs on this machine)
   fetch xN    the product path: `ShardFetcher.fetch_shard` of the whole model into an empty
-              cache, N parallel streams, every chunk SHA-256 verified before it is written
+              cache, N parallel streams, every chunk SHA-256 verified before it is written;
+              the chunks come over the service's bulk TCP stream (`cluster.weights.bulk`)
+  fetch grpc x1  the same over the gRPC stream (what a TLS cluster uses)
 and the serving process's peak RSS growth during each transfer (VmHWM, reset before each),
 against the chunk size: the service holds a few chunks per stream, never a file. All in the
 page cache (warm), as the copy is; medians over --rounds. `--dir /dev/shm` puts the model and
@@ -164,12 +166,13 @@ def run_bare(port: int, size: int, out: Path, streams: int) -> None:
         os.close(fd)
 
 
-def run_fetch(port: int, digest: str, out: Path, streams: int) -> int:
+def run_fetch(port: int, digest: str, out: Path, streams: int, bulk: bool = True) -> int:
     from cluster.model.shard import ShardSpec
     from cluster.weights.fetch import ShardFetcher
     from cluster.weights.store import WeightsStore
 
-    fetcher = ShardFetcher(f"127.0.0.1:{port}", TOKEN, node_id="bench", streams=streams)
+    address = f"127.0.0.1:{port}"
+    fetcher = ShardFetcher(address, TOKEN, node_id="bench", streams=streams, bulk=bulk)
     try:
         store = WeightsStore(out / f"cache-{streams}")
         manifest = fetcher.manifest(digest)
@@ -225,6 +228,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
                 f"fetch x{n}": (lambda out, n=n: run_fetch(hello["port"], digest, out, n))
                 for n in (1, 2, 4)
             },
+            "fetch grpc x1": lambda out: run_fetch(hello["port"], digest, out, 1, bulk=False),
         }
         seconds: dict[str, list[float]] = {name: [] for name in variants}
         peaks: dict[str, list[int]] = {name: [] for name in variants}
@@ -277,12 +281,12 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
     }
     print(f"model {total / 2**20:.0f} MiB, chunk {CHUNK_BYTES / 2**20:.0f} MiB, "
           f"manifest hashed in {hash_s:.2f} s")  # fmt: skip
-    print(f"{'':<14} {'MiB/s':>8} {'vs copy':>8} {'CPU ms/MiB server, client':>26} "
+    print(f"{'':<15} {'MiB/s':>8} {'vs copy':>8} {'CPU ms/MiB server, client':>26} "
           f"{'server peak RSS growth':>24}")  # fmt: skip
     for name in variants:
         peak = max(peaks[name])
         c = report["cpu_ms_per_mib"][name]
-        print(f"{name:<14} {rates[name]:8.0f} {report['vs_copy'][name]:7.2f}x "
+        print(f"{name:<15} {rates[name]:8.0f} {report['vs_copy'][name]:7.2f}x "
               f"{c['server']:15.2f} {c['client']:10.2f} "
               f"{peak / 2**20:12.1f} MiB = {peak / CHUNK_BYTES:4.1f} chunks")  # fmt: skip
     return report

@@ -24,6 +24,7 @@ import grpc
 
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec
+from cluster.weights import bulk
 from cluster.weights.manifest import Manifest, ManifestError, manifest_for
 from cluster.weights.service import (
     FETCH_METHOD,
@@ -91,10 +92,17 @@ class ShardFetcher:
         tls: TLSConfig | None = None,
         streams: int = STREAMS,
         progress: FetchProgress | None = None,
+        bulk: bool = True,
     ):
         self.address = address
+        self.token = token
         self.metadata = token_metadata(token)
         self.node_id = node_id
+        # The service's plain TCP stream (`cluster.weights.bulk`) where it has one: asked for
+        # once, on the first fetch; never under TLS (the bytes then stay encrypted).
+        self._bulk = bulk and tls is None
+        self._bulk_address: tuple[str, int] | None = None
+        self._bulk_asked = threading.Lock()
         self.streams = streams
         self.progress = progress or FetchProgress()
         # One connection per stream: each has its own transport, so the streams' receiving,
@@ -115,6 +123,11 @@ class ShardFetcher:
         ]
         self._crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
 
+    @property
+    def bulk_address(self) -> tuple[str, int] | None:
+        """Where this fetcher's streams go over plain TCP (None: gRPC, or not asked yet)."""
+        return self._bulk_address
+
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
@@ -130,7 +143,29 @@ class ShardFetcher:
             raise WeightsFetchError(
                 f"cannot get the manifest from {self.address}: {error.details()}"
             ) from None
+        self._note_bulk_port(reply.bulk_port)
         return Manifest.from_json(reply.manifest_json, expect_digest=digest)
+
+    def _note_bulk_port(self, port: int) -> None:
+        if self._bulk and port:
+            host = self.address.rpartition(":")[0].strip("[]")
+            self._bulk_address = (host, port)
+        self._bulk = False  # asked
+
+    def _bulk_target(self, digest: str) -> tuple[str, int] | None:
+        """Where the bulk stream listens, asking the service the first time (None: gRPC)."""
+        with self._bulk_asked:
+            if self._bulk:
+                try:
+                    reply = self._manifest_call(
+                        pb.WeightsManifestRequest(model_digest=digest, omit_manifest=True),
+                        timeout=MANIFEST_TIMEOUT_S,
+                        metadata=self.metadata,
+                    )
+                    self._note_bulk_port(reply.bulk_port)
+                except grpc.RpcError:
+                    self._bulk = False  # the gRPC fetch will name the error
+            return self._bulk_address
 
     def fetch_shard(self, store: WeightsStore, manifest: Manifest, spec: ShardSpec) -> Path:
         """Make `store` hold a verified copy of the shard; return its model directory."""
@@ -234,6 +269,19 @@ class ShardFetcher:
         return failed
 
     def _stream(self, stream: int, request: pb.WeightsFetchRequest, nbytes: int = 0):
+        bulk_address = self._bulk_target(request.model_digest)
+        if bulk_address is not None:
+            host, port = bulk_address
+            try:
+                yield from bulk.fetch_pieces(bulk_address, self.token, request)
+                return
+            except bulk.BulkUnreachable as error:  # before any answer: gRPC from now on
+                log.warning("%s; fetching over the weights service's gRPC stream", error)
+                self._bulk_address = None
+            except (bulk.BulkRefused, OSError) as error:
+                raise WeightsFetchError(
+                    f"weights transfer from {host}:{port} failed: {error}"
+                ) from None
         try:
             call = self._fetch_calls[stream]
             timeout = STREAM_DEADLINE_BASE_S + nbytes / STREAM_DEADLINE_MIN_RATE

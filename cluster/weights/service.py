@@ -18,6 +18,7 @@ received message (the tests check both against protobuf's own codec).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -36,6 +38,9 @@ from cluster.model.shard import ShardSpec
 from cluster.weights.manifest import Manifest, ManifestError, manifest_for, snapshot_of
 from node.auth import TOKEN_HEADER, TLSConfig
 from proto import cluster_pb2 as pb
+
+if TYPE_CHECKING:
+    from cluster.weights.bulk import BulkServer
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +166,42 @@ class Transfers:
 # ---- the service ----
 
 
+class WeightsRefusal(Exception):
+    """What the service refuses a peer, with the gRPC status it answers (the bulk stream sends
+    the same message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One message of a fetch: `length` bytes of the open file `fd` at `offset`, or `data`."""
+
+    fd: int = -1
+    offset: int = 0
+    length: int = 0
+    data: bytes | None = None
+
+    @property
+    def size(self) -> int:
+        return self.length if self.data is None else len(self.data)
+
+    def read(self) -> bytes:
+        if self.data is not None:
+            return self.data
+        data = os.pread(self.fd, self.length, self.offset)
+        if len(data) != self.length:
+            raise WeightsRefusal(
+                grpc.StatusCode.FAILED_PRECONDITION, "a model file is shorter than it was"
+            )
+        return data
+
+
 class WeightsService:
-    """Serves one model directory's manifest and chunks to the cluster's nodes."""
+    """Serves one model directory's manifest and chunks to the cluster's nodes, over gRPC and,
+    without TLS, over a plain TCP stream as well (`cluster.weights.bulk`)."""
 
     def __init__(self, model_dir: Path, token: str, manifest: Manifest | None = None):
         if not token:
@@ -171,6 +210,7 @@ class WeightsService:
         self.manifest = manifest or manifest_for(self.model_dir)
         self.snapshot = snapshot_of(self.model_dir)
         self.transfers = Transfers()
+        self.bulk_port = 0  # set by `serve_weights` when it runs the bulk stream
         # Test hook: may alter a chunk's bytes on their way out (a flipped byte on the wire).
         self.tamper: Callable[[tuple[str, int], bytes], bytes] | None = None
         self._token = token.encode()
@@ -182,29 +222,55 @@ class WeightsService:
     def manifest_rpc(
         self, request: pb.WeightsManifestRequest, context: grpc.ServicerContext
     ) -> pb.WeightsManifestReply:
-        self._authorize(context)
-        self._check_digest(request.model_digest, context)
-        return pb.WeightsManifestReply(manifest_json=self.manifest.to_json())
+        with _answered(context):
+            self.authorize(_token_of(context))
+            self.check_digest(request.model_digest)
+        if request.omit_manifest:
+            return pb.WeightsManifestReply(bulk_port=self.bulk_port)
+        return pb.WeightsManifestReply(
+            manifest_json=self.manifest.to_json(), bulk_port=self.bulk_port
+        )
 
     def fetch_rpc(
         self, request: pb.WeightsFetchRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        self._authorize(context)
-        self._check_digest(request.model_digest, context)
-        plan = self._plan(request, context)
-        transfer = self.transfers.open(request.node_id or context.peer(), request.total_bytes)
+        with _answered(context):
+            self.authorize(_token_of(context))
+            for piece in self.pieces(request, context.peer()):
+                yield piece.read()
+
+    # -- what both transports share ---------------------------------------------------------
+
+    def authorize(self, token: str) -> None:
+        if not hmac.compare_digest(token.encode(), self._token):
+            raise WeightsRefusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    def check_digest(self, digest: str) -> None:
+        if digest and digest != self.manifest.digest:
+            raise WeightsRefusal(
+                grpc.StatusCode.NOT_FOUND,
+                f"this coordinator serves model {self.manifest.digest} "
+                f"({self.manifest.name}), not {digest}",
+            )
+
+    def pieces(self, request: pb.WeightsFetchRequest, peer: str) -> Iterator[Piece]:
+        """The messages answering `request`, in its order, after every check (each refusal
+        a `WeightsRefusal`); counted in `transfers` as they go."""
+        self.check_digest(request.model_digest)
+        plan = self._plan(request)
+        transfer = self.transfers.open(request.node_id or peer, request.total_bytes)
         error = ""
         fds: dict[str, int] = {}
         try:
             for kind, name, offset, length, ref in plan:
                 if kind == "chunk":
-                    data = self._read(fds, name, offset, length, context)
+                    piece = Piece(self._open_checked(fds, name), offset, length)
                     if self.tamper is not None:
-                        data = self.tamper(ref, data)
+                        piece = Piece(data=self.tamper(ref, piece.read()))
                 else:
-                    data = (self.model_dir / name).read_bytes()
-                self.transfers.sent(transfer, len(data))
-                yield data
+                    piece = Piece(data=(self.model_dir / name).read_bytes())
+                self.transfers.sent(transfer, piece.size)
+                yield piece
         except Exception as exc:
             error = str(exc)
             raise
@@ -215,19 +281,6 @@ class WeightsService:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        given = dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
-        if not hmac.compare_digest(given.encode(), self._token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-
-    def _check_digest(self, digest: str, context: grpc.ServicerContext) -> None:
-        if digest and digest != self.manifest.digest:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"this coordinator serves model {self.manifest.digest} "
-                f"({self.manifest.name}), not {digest}",
-            )
-
     def _allowed(self, spec: ShardSpec) -> frozenset[str]:
         key = (spec.start, spec.end, spec.is_head, spec.is_tail)
         with self._lock:
@@ -236,55 +289,55 @@ class WeightsService:
             return self._shards[key]
 
     def _plan(
-        self, request: pb.WeightsFetchRequest, context: grpc.ServicerContext
+        self, request: pb.WeightsFetchRequest
     ) -> list[tuple[str, str, int, int, tuple[str, int]]]:
         """(kind, file, offset, length, chunk ref) per message, after every check."""
         try:
             spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
             allowed = self._allowed(spec)
         except (ValueError, ManifestError) as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad shard: {error}")
+            raise WeightsRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad shard: {error}") from None
         plan = []
         cb = self.manifest.chunk_bytes
         for ref in request.chunks:
             entry = self.manifest.tensors.get(ref.tensor)
             if entry is None:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"no tensor {ref.tensor!r} in the model")
+                raise WeightsRefusal(
+                    grpc.StatusCode.NOT_FOUND, f"no tensor {ref.tensor!r} in the model"
+                )
             if ref.tensor not in allowed:
-                context.abort(
+                raise WeightsRefusal(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"tensor {ref.tensor!r} is not part of shard {spec.describe()}",
                 )
             if ref.chunk >= len(entry.chunk_hashes):
-                context.abort(
+                raise WeightsRefusal(
                     grpc.StatusCode.OUT_OF_RANGE, f"tensor {ref.tensor!r} has no chunk {ref.chunk}"
                 )
             offset, length = entry.chunk_range(ref.chunk, cb)
             plan.append(("chunk", entry.file, offset, length, (ref.tensor, ref.chunk)))
         for name in request.files:
             if name not in self.manifest.small_files:
-                context.abort(
+                raise WeightsRefusal(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{name!r} is not a file this service serves (only the manifest's small files)",
                 )
             plan.append(("file", name, 0, 0, ("", 0)))
         return plan
 
-    def _read(self, fds: dict[str, int], name: str, offset: int, length: int, context) -> bytes:
+    def _open_checked(self, fds: dict[str, int], name: str) -> int:
+        """`name`'s descriptor, once its size and mtime are still those of the manifest."""
         fd = fds.get(name)
         if fd is None:
             fd = fds[name] = os.open(self.model_dir / name, os.O_RDONLY)
         st = os.fstat(fd)
         if [st.st_size, st.st_mtime_ns] != self.snapshot.get(name):
-            context.abort(
+            raise WeightsRefusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the coordinator's model directory changed during the transfer ({name} was "
                 "modified); restart the coordinator to serve the new model",
             )
-        data = os.pread(fd, length, offset)
-        if len(data) != length:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{name} is shorter than it was")
-        return data
+        return fd
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -304,10 +357,43 @@ class WeightsService:
         )
 
 
+def _token_of(context: grpc.ServicerContext) -> str:
+    return dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
+
+
+@contextlib.contextmanager
+def _answered(context: grpc.ServicerContext) -> Iterator[None]:
+    """A `WeightsRefusal` inside ends the RPC with its status and message."""
+    try:
+        yield
+    except WeightsRefusal as refusal:
+        context.abort(refusal.code, str(refusal))
+
+
+class WeightsServer:
+    """The running service: its gRPC server and, without TLS, its bulk stream."""
+
+    def __init__(self, grpc_server: grpc.Server, bulk: BulkServer | None):
+        self.grpc_server = grpc_server
+        self.bulk = bulk
+
+    def stop(self, grace: float | None = None) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
+        self.grpc_server.stop(grace)
+
+
 def serve_weights(
-    service: WeightsService, host: str = "0.0.0.0", port: int = 0, tls: TLSConfig | None = None
-) -> tuple[grpc.Server, int]:
-    """Start the service in its own threads; returns (server, bound port)."""
+    service: WeightsService,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    tls: TLSConfig | None = None,
+    *,
+    bulk: bool = True,
+) -> tuple[WeightsServer, int]:
+    """Start the service in its own threads; returns (server, bound gRPC port). Without TLS
+    (and unless `bulk` is False) the bulk stream listens too, on a port of its own that the
+    manifest RPC names."""
     server = grpc.server(
         ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="weights"),
         options=[*weights_grpc_options(), ("grpc.so_reuseport", 0)],
@@ -322,5 +408,16 @@ def serve_weights(
     if bound == 0:
         raise OSError(f"cannot listen on {address} for the weights service")
     server.start()
-    log.info("weights service for %s on port %d", service.manifest.name, bound)
-    return server, bound
+    bulk_server = None
+    if bulk and tls is None:
+        from cluster.weights.bulk import BulkServer
+
+        bulk_server = BulkServer(service, host)
+        service.bulk_port = bulk_server.port
+    log.info(
+        "weights service for %s on port %d (bulk stream: %s)",
+        service.manifest.name,
+        bound,
+        service.bulk_port or "off",
+    )
+    return WeightsServer(server, bulk_server), bound
