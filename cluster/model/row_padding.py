@@ -25,11 +25,11 @@ MLPs: 0.41 against 0.20 ms a layer; 2 rows 0.35, 4 rows 0.65). So padding buys d
 drafts and small batches their rows at the price of about two one-row steps, and the adaptive
 depth (`cluster.decode.mtp_depth`, from the node's measured step costs) sees that price.
 Off on the CPU (its quantized matmul is linear in rows: padding only adds work) and on Metal
-(not measured here: never pad where it may cost). Steps of 1 to 3 rows run the few-row kernel
-instead (`cluster.model.few_row_matmul`), which reads the weights once for all of them; from 4
-rows on MLX's GEMM on the padded rows was the faster (27B-shape backbone on an H100, run Q:
-44.2 ms padded against 49.6 with the kernel). `set_enabled` overrides the choice (the
-tests, the benchmark's `+padded` variants).
+(not measured here: never pad where it may cost). On CUDA, steps of 1 to 3 rows run the
+few-row kernel instead (`cluster.model.few_row_matmul`), which reads the weights once for all
+of them; from 4 rows on MLX's GEMM on the padded rows was the faster (27B-shape backbone on an
+H100, run Q: 44.2 ms padded against 49.6 with the kernel). `set_enabled` overrides the choice
+(the tests, the benchmark's `+padded` variants).
 """
 
 from __future__ import annotations
