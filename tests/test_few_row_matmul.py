@@ -77,6 +77,20 @@ def test_eligible_layers_are_swapped_over_their_own_arrays(kernel_off) -> None:
         assert mx.array_equal(layer(inputs[name]), expected[name]), name
 
 
+@pytest.mark.parametrize(
+    ("rows", "width", "dtype", "says"),
+    [(33, 128, mx.bfloat16, "1 to 32 rows"), (2, 128, mx.float32, "2-byte floats"),
+     (2, 96, mx.bfloat16, "do not fit")],
+)  # fmt: skip
+def test_the_kernel_refuses_what_it_cannot_compute(rows, width, dtype, says) -> None:
+    layer = _quantized(128, 8)
+    with pytest.raises(ValueError, match=says):
+        few_row_quantized_matmul(
+            mx.zeros((rows, width), dtype), layer.weight, layer.scales, layer.biases,
+            group_size=64, bits=4,
+        )  # fmt: skip
+
+
 def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -> None:
     q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
     shard = load_shard(q4, for_decoding=True)
@@ -129,8 +143,6 @@ def test_each_row_is_computed_alone() -> None:
     alone = mx.concatenate([matmul(x[i : i + 1]) for i in range(16)])
     for rows in (2, 3, 4, 7, 16):
         assert mx.array_equal(matmul(x[:rows]), alone[:rows]), rows
-    with pytest.raises(ValueError, match="1 to 32 rows"):
-        matmul(mx.zeros((33, 2048), mx.bfloat16))
 
 
 @on_cuda

@@ -230,9 +230,13 @@ def few_row_quantized_matmul(
 ) -> mx.array:
     """`x @ dequantize(w).T` for `x` of shape [rows, K], 1 <= rows <= 32, as
     `mx.quantized_matmul(x, w, scales, biases, transpose=True)` computes it (CUDA only)."""
-    rows = x.shape[0]
+    rows, width = x.shape
     if not 1 <= rows <= 32:
         raise ValueError(f"the few-row kernel takes 1 to 32 rows, got {rows}")
+    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype:
+        raise ValueError(f"the few-row kernel takes 2-byte floats, got {x.dtype}/{scales.dtype}")
+    if width % LANE_VALUES or width != w.shape[1] * 32 // bits:
+        raise ValueError(f"inputs of width {width} do not fit weights of shape {w.shape}")
     n_out = w.shape[0]
     per_warp = _rows_per_warp(rows)
     warps = -(-n_out // per_warp)
