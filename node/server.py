@@ -38,6 +38,7 @@ from node.hop import HopChoice, choose_hop
 from node.links import local_links
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Stage, Subscribers, status_of
+from node.step_link import StepListener
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 
 IDLE_SWEEP_SECONDS = 5.0
 MIN_MLX_CACHE_BYTES = 32 * 2**20
+
+
+def _no_reply(event: pb.StepEvent) -> None:
+    """The TCP step stream is one-way (errors reach the driver over Results)."""
 
 
 def mlx_cache_limit(runner: ShardRunner, weights_bytes: int) -> int:
@@ -118,6 +123,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.shard_loads = 0
         self.weights_bytes = 0
         self.started = time.monotonic()
+        self.step_port = 0  # the step stream's TCP port (`node.step_link`); 0: gRPC only
         self._load_lock = asyncio.Lock()
         self.weights = ShardWeights(
             weights_store or WeightsStore(default_cache_dir()),
@@ -222,6 +228,12 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             reader.cancel()
 
+    def accept_linked_step(self, message: pb.StepBatch) -> None:
+        """A step from the predecessor's TCP step stream (`node.step_link`): as `Steps` takes
+        one, to the stage of the moment; the sender reads no replies."""
+        if self.stage is not None:
+            self.stage.accept(message, _no_reply)
+
     async def Results(
         self, request: pb.ResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ResultBatch]:
@@ -301,6 +313,7 @@ class NodeService(pb_grpc.NodeServicer):
             chip=hardware.chip,
             os=hardware.os,
             cpu_count=hardware.cpu_count,
+            step_port=self.step_port,
         )
         self.weights.fill_info(info)
         info.links.extend(self.links)
@@ -385,6 +398,10 @@ async def serve(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
+    step_listener = None
+    if tls is None:  # under TLS every step stays on the encrypted gRPC stream
+        step_listener = StepListener(token, service.accept_linked_step)
+        service.step_port = await step_listener.start(host)
     advertiser = None
     if advertise:
         from node.advertise import NodeAdvertiser
@@ -412,6 +429,8 @@ async def serve(
     finally:
         if advertiser is not None:
             await advertiser.stop()
+        if step_listener is not None:
+            await step_listener.close()
         await server.stop(grace=1.0)
         await service.close()
 

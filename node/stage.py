@@ -31,7 +31,9 @@ from cluster.wire import (
     step_batch_from_proto,
 )
 from node.auth import TLSConfig, open_channel, token_metadata
+from node.hop import split_host_port
 from node.hop_probe import HopProbe
+from node.step_link import StepSender
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 Reply = Callable[[pb.StepEvent], None]
 # The Node service's Steps method, for a stream that sends pre-serialized StepBatch bytes.
 STEPS_METHOD = "/{}/Steps".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
+INFO_METHOD = "/{}/Info".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
+LINK_INFO_TIMEOUT_S = 10.0
 
 
 def status_of(error: Exception) -> grpc.StatusCode:
@@ -106,7 +110,9 @@ class StageStats:
 
 class Downstream:
     """The long-lived step stream to the successor, reopened if it breaks. It sends the
-    StepBatch serialized already (`step_batch_bytes`): gRPC passes the bytes on as they are."""
+    StepBatch serialized already (`step_batch_bytes`): over the successor's TCP step stream
+    (`node.step_link`) where it has one, else over gRPC, which passes the bytes on as they are.
+    """
 
     def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
         self.address = address
@@ -114,23 +120,60 @@ class Downstream:
         self._tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._link: StepSender | None = None
 
     async def send(self, payload: bytes) -> None:
-        if self._call is None or self._call.done():
+        if self._link is not None and self._link.broken:
             await self.close()
-            self._channel = open_channel(self.address, self._tls)
-            steps = self._channel.stream_stream(
-                STEPS_METHOD, response_deserializer=pb.StepEvent.FromString
-            )
-            self._call = steps(metadata=token_metadata(self._token))
-        await self._call.write(payload)
+        if self._link is None and (self._call is None or self._call.done()):
+            await self.close()
+            await self._open()
+        if self._link is not None:
+            await self._link.send(payload)
+        else:
+            await self._call.write(payload)
+
+    async def _open(self) -> None:
+        self._channel = open_channel(self.address, self._tls)
+        if self._tls is None:
+            self._link = await self._open_link()
+            if self._link is not None:
+                return
+        steps = self._channel.stream_stream(
+            STEPS_METHOD, response_deserializer=pb.StepEvent.FromString
+        )
+        self._call = steps(metadata=token_metadata(self._token))
+
+    @property
+    def transport(self) -> str | None:
+        """ "tcp" (`node.step_link`), "grpc", or None before the first step."""
+        if self._link is not None:
+            return "tcp"
+        return "grpc" if self._call is not None else None
+
+    async def _open_link(self) -> StepSender | None:
+        """The successor's TCP step stream, if it serves one (its Info says)."""
+        info = self._channel.unary_unary(
+            INFO_METHOD,
+            request_serializer=pb.InfoRequest.SerializeToString,
+            response_deserializer=pb.NodeInfo.FromString,
+        )
+        reply = await info(
+            pb.InfoRequest(), metadata=token_metadata(self._token), timeout=LINK_INFO_TIMEOUT_S
+        )
+        if not reply.step_port:
+            return None
+        host, _ = split_host_port(self.address)
+        return await StepSender.open(host, reply.step_port, self._token)
 
     async def close(self) -> None:
+        if self._link is not None:
+            await self._link.close()
         if self._call is not None:
             self._call.cancel()
         if self._channel is not None:
             await self._channel.close()
-        self._call = self._channel = None
+        self._call = self._channel = self._link = None
 
 
 class Stage:

@@ -56,6 +56,16 @@ def test_generation_over_tls_matches_and_plain_clients_are_refused(
 
     assert run(remote()) == run(local())
 
+    async def step_ports() -> list[int]:
+        clients = [NodeClient(a, group.token, tls) for a in group.addresses]
+        try:
+            return [(await c.info()).step_port for c in clients]
+        finally:
+            for c in clients:
+                await c.close()
+
+    assert run(step_ports()) == [0, 0]  # no plain step stream: every hop stays encrypted
+
     async def plain_info() -> None:
         client = NodeClient(group.addresses[0], group.token)  # no TLS
         try:

@@ -7,7 +7,11 @@ An echo server runs in a child process (a node is its own process); the client s
 decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
 is half the round trip, and each way does a hop's real work:
 
-  proto      grpc.aio bidi stream of `StepBatch`, as between nodes: the sender serializes with
+  link       the nodes' step stream (`node.step_link`), as between nodes now: a `StepBatch` each
+             way over the product's TCP link (the server replies over a link of its own), the
+             same codec work as proto
+  proto      grpc.aio bidi stream of `StepBatch`, as the coordinator's hop to the head (and
+             every hop under TLS): the sender serializes with
              `wire.step_batch_bytes`, the receiver parses (`StepBatch.FromString`) and decodes
              (entries + mx.array); the server re-encodes its own output for the reply
   proto-msg  the same, the step handed to gRPC as a message (`wire.step_batch_to_proto`, gRPC
@@ -63,12 +67,15 @@ from google.protobuf import wrappers_pb2
 from cluster import wire
 from cluster.bench.common import bench_parser
 from cluster.messages import StepRequest
+from node.step_link import StepListener, StepSender
 from proto import cluster_pb2 as pb
 
 SHAPES = ((1, 2, 5120), (1, 1, 256))  # Qwen3.5-27B's hidden size; a tiny model's
 VARIANTS = (
-    "proto", "proto-msg", "msgpack", "grpc", "grpc+busy", "tcp", "tcp+proto", "codec", "codec-cold"
+    "link", "proto", "proto-msg", "msgpack", "grpc", "grpc+busy", "tcp", "tcp+proto", "codec",
+    "codec-cold",
 )  # fmt: skip
+LINK_TOKEN = "hop-bench"
 METHOD = "/bench.Hop/{}"
 COLD_SLEEP_S = 100e-6
 _LEN = struct.Struct("<I")
@@ -204,7 +211,22 @@ def _tcp_handler(echo: Callable[[bytes], bytes]) -> Callable:
     return handle
 
 
-async def _serve(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
+async def _link_echo(client_port: int) -> tuple[StepListener, asyncio.Task]:
+    """The nodes' step stream both ways: each step decoded, encoded again and sent back over
+    a link to the client's own listener, in order."""
+    replies: asyncio.Queue[bytes] = asyncio.Queue()
+    listener = StepListener(LINK_TOKEN, lambda message: replies.put_nowait(_proto_echo(message)))
+    await listener.start("127.0.0.1")
+
+    async def send_back() -> None:
+        sender = await StepSender.open("127.0.0.1", client_port, LINK_TOKEN)
+        while True:
+            await sender.send(await replies.get())
+
+    return listener, asyncio.create_task(send_back())
+
+
+async def _serve(options: Options, ports: mp.Queue, stop: mp.Event, link_port: int) -> None:
     handlers = {
         name: grpc.stream_stream_rpc_method_handler(_stream_handler(echo), des, ser)
         for name, (echo, des, ser) in _HANDLERS.items()
@@ -217,6 +239,9 @@ async def _serve(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
         for v, e in _TCP_ECHOES.items()
     }
     port |= {v: s.sockets[0].getsockname()[1] for v, s in tcp.items()}
+    link = await _link_echo(link_port) if link_port else None
+    if link is not None:
+        port["link"] = link[0].port
     await server.start()
     ports.put(port)
     try:
@@ -225,6 +250,9 @@ async def _serve(options: Options, ports: mp.Queue, stop: mp.Event) -> None:
     finally:
         for s in tcp.values():
             s.close()
+        if link is not None:
+            link[1].cancel()
+            await link[0].close()
         await server.stop(None)
 
 
@@ -239,18 +267,21 @@ def run_loop(coro, use_uvloop: bool = False):
         return runner.run(coro)
 
 
-def _server_main(options: Options, use_uvloop: bool, ports: mp.Queue, stop: mp.Event) -> None:
-    run_loop(_serve(options, ports, stop), use_uvloop)
+def _server_main(
+    options: Options, use_uvloop: bool, ports: mp.Queue, stop: mp.Event, link_port: int
+) -> None:
+    run_loop(_serve(options, ports, stop, link_port), use_uvloop)
 
 
 class EchoServer:
-    """The echo server in a child process, started and stopped as a context manager."""
+    """The echo server in a child process, started and stopped as a context manager; with
+    `link_port`, its link echo replies to the client's step listener there."""
 
-    def __init__(self, options: Options, use_uvloop: bool = False) -> None:
+    def __init__(self, options: Options, use_uvloop: bool = False, link_port: int = 0) -> None:
         ctx = mp.get_context("spawn")
         self._ports, self._stop = ctx.Queue(), ctx.Event()
         self._proc = ctx.Process(
-            target=_server_main, args=(options, use_uvloop, self._ports, self._stop)
+            target=_server_main, args=(options, use_uvloop, self._ports, self._stop, link_port)
         )
 
     def __enter__(self) -> dict[str, int]:
@@ -342,6 +373,26 @@ class _Tcp:
         self._writer.close()
 
 
+class _Link:
+    """The nodes' step stream: steps out over a `StepSender`, their echoes in through the
+    client's `StepListener` (decoded as a node decodes a step)."""
+
+    def __init__(self, step, inbox: asyncio.Queue) -> None:
+        self._entries, self._hidden = step
+        self._inbox = inbox
+
+    async def open(self, port: int) -> _Link:
+        self._sender = await StepSender.open("127.0.0.1", port, LINK_TOKEN)
+        return self
+
+    async def round_trip(self, i: int) -> None:
+        await self._sender.send(wire.step_batch_bytes(self._entries, self._hidden, i))
+        wire.step_batch_from_proto(await self._inbox.get())
+
+    async def close(self) -> None:
+        await self._sender.close()
+
+
 class _Codec:
     """The codec alone: each 'round trip' is two hops of encode + parse + decode, each hop
     after `sleep_s` asleep (not timed) if given."""
@@ -406,9 +457,13 @@ async def measure(
     """
     steps = {shape: decode_size_step(shape) for shape in shapes}
     busy = {shape: codec_ns(step) for shape, step in steps.items()}
+    inbox: asyncio.Queue[pb.StepBatch] = asyncio.Queue()  # the link echoes, one at a time
+    link_listener = StepListener(LINK_TOKEN, inbox.put_nowait)
+    link_port = await link_listener.start("127.0.0.1") if "link" in variants else 0
     with contextlib.ExitStack() as servers:
-        ports = [servers.enter_context(EchoServer(s.server, use_uvloop)) for s in setups]
+        ports = [servers.enter_context(EchoServer(s.server, use_uvloop, link_port)) for s in setups]
         async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(link_listener.close)
             probes = {}
             for setup, port in zip(setups, ports, strict=True):
                 ch = grpc.aio.insecure_channel(f"127.0.0.1:{port['grpc']}", options=setup.channel)
@@ -416,7 +471,9 @@ async def measure(
                 await asyncio.wait_for(ch.channel_ready(), 30)
                 for v, shape in itertools.product(variants, shapes):
                     step = steps[shape]
-                    if v in _TCP_ECHOES:
+                    if v == "link":
+                        probe = await _Link(step, inbox).open(port[v])
+                    elif v in _TCP_ECHOES:
                         probe = await _Tcp(v, step).open(port[v])
                     elif v == "codec":
                         probe = _Codec(step)

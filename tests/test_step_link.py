@@ -1,0 +1,115 @@
+"""The step stream between nodes over plain TCP (`node.step_link`).
+
+In one process: steps arrive whole and in order; a wrong token, a malformed step and an
+oversized frame each end the stream, and the sender then sees it broken (a clear error, never a
+step lost in silence). Against real node processes: a node advertises its step port and its
+predecessor's `Downstream` takes it (the pipeline tests run over it; `test_tls` checks that a
+TLS node offers none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import nodes
+import pytest
+from conftest import run
+
+from cluster import wire
+from cluster.messages import StepRequest
+from node.client import NodeClient
+from node.stage import Downstream
+from node.step_link import FRAME, StepLinkError, StepListener, StepSender
+from proto import cluster_pb2 as pb
+
+node_factory = nodes.node_factory
+TOKEN = "step-link-secret"
+
+
+def _step(sequence: int, positions: int = 2) -> bytes:
+    entries = [StepRequest(f"r{sequence}", tuple(range(positions)), 40 + sequence)]
+    hidden = mx.full((1, positions, 64), sequence, mx.bfloat16)
+    return wire.step_batch_bytes(entries, hidden, sequence)
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def _listening(received: list[pb.StepBatch]) -> StepListener:
+    listener = StepListener(TOKEN, received.append)
+    await listener.start("127.0.0.1")
+    return listener
+
+
+def test_steps_arrive_whole_and_in_order() -> None:
+    async def go() -> None:
+        received: list[pb.StepBatch] = []
+        listener = await _listening(received)
+        sender = await StepSender.open("127.0.0.1", listener.port, TOKEN)
+        sent = [_step(i, positions=1 + i % 5) for i in range(200)]
+        sent.append(_step(200, positions=600))  # a prefill-sized step: 77 KB
+        for payload in sent:
+            await sender.send(payload)
+        await _until(lambda: len(received) == len(sent))
+        assert [m.SerializeToString() for m in received] == sent
+        await sender.close()
+        await listener.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [(FRAME.pack(3) + b"\xff\xff\xff", "a malformed step"), (FRAME.pack(2**31), "too large")],
+)
+def test_a_bad_frame_ends_the_stream_and_the_sender_sees_it(frame: bytes, why: str) -> None:
+    async def go() -> None:
+        received: list[pb.StepBatch] = []
+        listener = await _listening(received)
+        sender = await StepSender.open("127.0.0.1", listener.port, TOKEN)
+        await sender.send(_step(1))
+        sender._writer.write(frame)  # what no sender of this module writes
+        await _until(lambda: sender.broken)
+        with pytest.raises(StepLinkError, match="was closed"):
+            await sender.send(_step(2))
+        assert [m.sequence for m in received] == [1]
+        await sender.close()
+        await listener.close()
+
+    run(go())
+
+
+def test_a_wrong_token_is_refused_before_any_step() -> None:
+    async def go() -> None:
+        received: list[pb.StepBatch] = []
+        listener = await _listening(received)
+        with pytest.raises(StepLinkError, match="refused the step stream"):
+            await StepSender.open("127.0.0.1", listener.port, "not-the-token")
+        with pytest.raises(StepLinkError, match="cannot open"):
+            await StepSender.open("127.0.0.1", 1, TOKEN)  # nobody listens there
+        await listener.close()
+        assert received == []
+
+    run(go())
+
+
+def test_a_node_takes_steps_from_its_predecessor_over_tcp(node_factory) -> None:
+    group = node_factory(1)
+
+    async def go() -> None:
+        client = NodeClient(group.addresses[0], group.token)
+        info = await client.info()
+        await client.close()
+        assert info.step_port > 0
+        downstream = Downstream(group.addresses[0], group.token)
+        try:
+            await downstream.send(_step(1))  # no shard loaded: the node drops it
+            assert downstream.transport == "tcp"
+        finally:
+            await downstream.close()
+
+    run(go())
