@@ -53,73 +53,107 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
 
 
 class StepListener:
-    """Accepts step streams from predecessors and hands each message to `accept`."""
+    """Accepts step streams from predecessors and hands each message to `accept`, in the
+    event loop's own callback as its bytes arrive (no task per stream: a step reaches the
+    stage without a task switch)."""
 
     def __init__(self, token: str, accept: Callable[[pb.StepBatch], None]):
-        self._token = token.encode()
-        self._accept = accept
+        self.token = token.encode()
+        self.accept = accept
         self._server: asyncio.Server | None = None
-        self._streams: dict[asyncio.StreamWriter, asyncio.Task] = {}
+        self.streams: set[_StepStream] = set()
         self.port = 0
 
     async def start(self, host: str, port: int = 0) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _StepStream(self), host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            streams = list(self._streams.items())
-            for writer, _ in streams:  # their reads end and the streams finish by themselves
-                writer.close()
-            if streams:  # (a stream task cancelled instead logs an error on Python 3.11)
-                await asyncio.wait([task for _, task in streams], timeout=5)
+            for stream in list(self.streams):
+                stream.close()
             await self._server.wait_closed()
             self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._streams[writer] = asyncio.current_task()
-        peer = writer.get_extra_info("peername")
-        try:
-            if not await self._hello(reader):
-                log.warning("refused a step stream from %s: bad hello or token", peer)
-                return
-            _no_delay(writer)
-            writer.write(ACCEPTED)
-            while True:
-                try:
-                    header = await reader.readexactly(FRAME.size)
-                except asyncio.IncompleteReadError:
-                    return  # the sender closed its stream
-                (size,) = FRAME.unpack(header)
-                if size > MAX_FRAME_BYTES:
-                    log.warning("step stream from %s sent a %d-byte frame; closing it", peer, size)
-                    return
-                try:
-                    message = pb.StepBatch.FromString(await reader.readexactly(size))
-                except DecodeError as error:
-                    log.warning("step stream from %s sent a malformed step (%s)", peer, error)
-                    return
-                self._accept(message)
-        except (asyncio.IncompleteReadError, OSError) as error:
-            log.info("step stream from %s ended: %s", peer, error)
-        finally:
-            self._streams.pop(writer, None)
-            writer.close()
 
-    async def _hello(self, reader: asyncio.StreamReader) -> bool:
-        try:
-            async with asyncio.timeout(HELLO_TIMEOUT_S):
-                if await reader.readexactly(len(MAGIC)) != MAGIC:
-                    return False
-                (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-                if size > MAX_TOKEN_BYTES:
-                    return False
-                token = await reader.readexactly(size)
-        except (TimeoutError, asyncio.IncompleteReadError):
+class _StepStream(asyncio.Protocol):
+    """One predecessor's stream: the hello, then length-prefixed steps."""
+
+    def __init__(self, listener: StepListener):
+        self._listener = listener
+        self._buffer = bytearray()
+        self._greeted = False
+        self._transport: asyncio.Transport | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._listener.streams.add(self)
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._listener.streams.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if not self._greeted and not self._hello():
+            return
+        self._steps()
+
+    def _hello(self) -> bool:
+        head = len(MAGIC) + FRAME.size
+        if len(self._buffer) < head:
             return False
-        return hmac.compare_digest(token, self._token)
+        (size,) = FRAME.unpack_from(self._buffer, len(MAGIC))
+        if self._buffer[: len(MAGIC)] != MAGIC or size > MAX_TOKEN_BYTES:
+            self._refuse("bad hello")
+            return False
+        if len(self._buffer) < head + size:
+            return False
+        if not hmac.compare_digest(bytes(self._buffer[head : head + size]), self._listener.token):
+            self._refuse("wrong cluster token")
+            return False
+        del self._buffer[: head + size]
+        self._greeted = True
+        self._hello_timer.cancel()
+        self._transport.write(ACCEPTED)
+        return True
+
+    def _steps(self) -> None:
+        while len(self._buffer) >= FRAME.size:
+            (size,) = FRAME.unpack_from(self._buffer)
+            if size > MAX_FRAME_BYTES:
+                self._refuse(f"a {size}-byte frame")
+                return
+            end = FRAME.size + size
+            if len(self._buffer) < end:
+                return
+            try:
+                message = pb.StepBatch.FromString(bytes(self._buffer[FRAME.size : end]))
+            except DecodeError as error:
+                self._refuse(f"a malformed step ({error})")
+                return
+            del self._buffer[:end]
+            self._listener.accept(message)
+
+    def _refuse(self, why: str) -> None:
+        log.warning("closed the step stream from %s: %s", self._peer, why)
+        self._buffer.clear()
+        self.close()
 
 
 class StepSender:
