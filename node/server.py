@@ -230,9 +230,15 @@ class NodeService(pb_grpc.NodeServicer):
 
     def accept_linked_step(self, message: pb.StepBatch) -> None:
         """A step from the predecessor's TCP step stream (`node.step_link`): as `Steps` takes
-        one, to the stage of the moment; the sender reads no replies."""
+        one, to the stage of the moment. The sender reads no replies: without a stage, the
+        step's requests fail on the driver's Results stream, as `Steps` would refuse it."""
         if self.stage is not None:
             self.stage.accept(message, _no_reply)
+            return
+        rids = [entry.request_id for entry in message.entries]
+        self.subscribers.fail(
+            rids, grpc.StatusCode.FAILED_PRECONDITION, "no shard loaded", message.epoch
+        )
 
     async def Results(
         self, request: pb.ResultsRequest, context: grpc.aio.ServicerContext

@@ -33,7 +33,7 @@ from cluster.wire import (
 from node.auth import TLSConfig, open_channel, token_metadata
 from node.hop import split_host_port
 from node.hop_probe import HopProbe
-from node.step_link import StepSender
+from node.step_link import StepLinkError, StepSender
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,11 @@ class Downstream:
         if not reply.step_port:
             return None
         host, _ = split_host_port(self.address)
-        return await StepSender.open(host, reply.step_port, self._token)
+        try:
+            return await StepSender.open(host, reply.step_port, self._token)
+        except StepLinkError as error:  # a firewall, say: the gRPC stream still works
+            log.warning("%s; streaming steps to %s over gRPC", error, self.address)
+            return None
 
     async def close(self) -> None:
         if self._link is not None:

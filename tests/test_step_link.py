@@ -3,14 +3,15 @@
 In one process: steps arrive whole and in order; a wrong token, a malformed step and an
 oversized frame each end the stream, and the sender then sees it broken (a clear error, never a
 step lost in silence). Against real node processes: a node advertises its step port and its
-predecessor's `Downstream` takes it (the pipeline tests run over it; `test_tls` checks that a
-TLS node offers none).
+predecessor's `Downstream` takes it, or gRPC where it cannot connect (the pipeline tests run
+over it; `test_tls` checks that a TLS node offers none).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import mlx.core as mx
 import nodes
 import pytest
@@ -97,8 +98,13 @@ def test_a_wrong_token_is_refused_before_any_step() -> None:
     run(go())
 
 
-def test_a_node_takes_steps_from_its_predecessor_over_tcp(node_factory) -> None:
-    group = node_factory(1)
+@pytest.fixture(scope="module")
+def solo(node_factory) -> nodes.NodeGroup:
+    return node_factory(1)
+
+
+def test_a_node_takes_steps_from_its_predecessor_over_tcp(solo) -> None:
+    group = solo
 
     async def go() -> None:
         client = NodeClient(group.addresses[0], group.token)
@@ -106,9 +112,36 @@ def test_a_node_takes_steps_from_its_predecessor_over_tcp(node_factory) -> None:
         await client.close()
         assert info.step_port > 0
         downstream = Downstream(group.addresses[0], group.token)
+        client = NodeClient(group.addresses[0], group.token)
+        results = client.stub.Results(pb.ResultsRequest(), metadata=client.metadata)
         try:
-            await downstream.send(_step(1))  # no shard loaded: the node drops it
+            await results.wait_for_connection()
+            await downstream.send(_step(1))
             assert downstream.transport == "tcp"
+            # No shard loaded: the step's request fails where the driver listens, as the gRPC
+            # stream would refuse it.
+            batch = await asyncio.wait_for(results.read(), 10)
+            assert [(e.request_id, e.message) for e in batch.errors] == [("r1", "no shard loaded")]
+        finally:
+            results.cancel()
+            await client.close()
+            await downstream.close()
+
+    run(go())
+
+
+def test_a_predecessor_that_cannot_reach_the_step_port_streams_over_grpc(solo, monkeypatch):
+    async def unreachable(*args, **kwargs):
+        raise StepLinkError("cannot open a step stream to 127.0.0.1:1: refused")
+
+    monkeypatch.setattr(StepSender, "open", unreachable)
+
+    async def go() -> None:
+        downstream = Downstream(solo.addresses[0], solo.token)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError, match="no shard loaded"):
+                await downstream.send(_step(1))
+            assert downstream.transport == "grpc"
         finally:
             await downstream.close()
 
