@@ -156,6 +156,11 @@ class _StepStream(asyncio.Protocol):
         self.close()
 
 
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class StepSender:
     """One step stream to a successor's `StepListener`."""
 
@@ -165,6 +170,7 @@ class StepSender:
         # The successor never writes after its hello answer: a read that ends is the stream
         # closed under us (the successor stopped, or refused a frame).
         self._closed = asyncio.ensure_future(reader.read())
+        self._closed.add_done_callback(_consume)  # a reset is what `broken` reports, no more
 
     @classmethod
     async def open(cls, host: str, port: int, token: str, timeout_s: float = 10.0) -> StepSender:
