@@ -179,11 +179,15 @@ class StepSender:
         try:
             async with asyncio.timeout(timeout_s):
                 reader, writer = await asyncio.open_connection(host, port)
-                _no_delay(writer)
-                writer.write(MAGIC + FRAME.pack(len(secret)) + secret)
-                answer = await reader.read(len(ACCEPTED))
         except (OSError, TimeoutError) as error:
             raise StepLinkError(f"cannot open a step stream to {address}: {error}") from None
+        _no_delay(writer)
+        writer.write(MAGIC + FRAME.pack(len(secret)) + secret)
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await reader.read(len(ACCEPTED))
+        except (OSError, TimeoutError):
+            answer = b""  # closed or reset on us: refused
         if answer != ACCEPTED:
             writer.close()
             raise StepLinkError(f"{address} refused the step stream (a wrong cluster token?)")
