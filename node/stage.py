@@ -146,7 +146,7 @@ class Downstream:
 
     @property
     def transport(self) -> str | None:
-        """ "tcp" (`node.step_link`), "grpc", or None before the first step."""
+        """The stream in use: "tcp" (`node.step_link`), "grpc", or None before a step."""
         if self._link is not None:
             return "tcp"
         return "grpc" if self._call is not None else None
