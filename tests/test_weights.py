@@ -371,7 +371,9 @@ def test_the_bulk_stream_serves_what_grpc_serves(source, tmp_path):
     fetched = {}
     for use_bulk in (True, False):
         address = f"127.0.0.1:{source.port}"
-        fetcher = ShardFetcher(address, nodes.TOKEN, node_id=f"bulk={use_bulk}", bulk=use_bulk)
+        fetcher = ShardFetcher(
+            address, nodes.TOKEN, node_id=f"bulk={use_bulk}", bulk_stream=use_bulk
+        )
         try:
             manifest = fetcher.manifest(source.digest)
             path = fetcher.fetch_shard(WeightsStore(tmp_path / str(use_bulk)), manifest, spec)

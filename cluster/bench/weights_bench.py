@@ -166,13 +166,15 @@ def run_bare(port: int, size: int, out: Path, streams: int) -> None:
         os.close(fd)
 
 
-def run_fetch(port: int, digest: str, out: Path, streams: int, bulk: bool = True) -> int:
+def run_fetch(port: int, digest: str, out: Path, streams: int, bulk_stream: bool = True) -> int:
     from cluster.model.shard import ShardSpec
     from cluster.weights.fetch import ShardFetcher
     from cluster.weights.store import WeightsStore
 
     address = f"127.0.0.1:{port}"
-    fetcher = ShardFetcher(address, TOKEN, node_id="bench", streams=streams, bulk=bulk)
+    fetcher = ShardFetcher(
+        address, TOKEN, node_id="bench", streams=streams, bulk_stream=bulk_stream
+    )
     try:
         store = WeightsStore(out / f"cache-{streams}")
         manifest = fetcher.manifest(digest)
@@ -228,7 +230,9 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict:
                 f"fetch x{n}": (lambda out, n=n: run_fetch(hello["port"], digest, out, n))
                 for n in (1, 2, 4)
             },
-            "fetch grpc x1": lambda out: run_fetch(hello["port"], digest, out, 1, bulk=False),
+            "fetch grpc x1": (
+                lambda out: run_fetch(hello["port"], digest, out, 1, bulk_stream=False)
+            ),
         }
         seconds: dict[str, list[float]] = {name: [] for name in variants}
         peaks: dict[str, list[int]] = {name: [] for name in variants}

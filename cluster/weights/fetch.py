@@ -92,7 +92,7 @@ class ShardFetcher:
         tls: TLSConfig | None = None,
         streams: int = STREAMS,
         progress: FetchProgress | None = None,
-        bulk: bool = True,
+        bulk_stream: bool = True,
     ):
         self.address = address
         self.token = token
@@ -100,7 +100,7 @@ class ShardFetcher:
         self.node_id = node_id
         # The service's plain TCP stream (`cluster.weights.bulk`) where it has one: asked for
         # once, on the first fetch; never under TLS (the bytes then stay encrypted).
-        self._bulk = bulk and tls is None
+        self._bulk = bulk_stream and tls is None
         self._bulk_address: tuple[str, int] | None = None
         self._bulk_asked = threading.Lock()
         self.streams = streams
