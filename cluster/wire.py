@@ -47,6 +47,7 @@ __all__ = [
     "step_batch_to_proto",
     "tensor_from_proto",
     "tensor_to_proto",
+    "varint",
 ]
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill chunk's hidden states fit with room
@@ -279,17 +280,17 @@ def step_batch_bytes(
     if not data.c_contiguous:
         data = memoryview(data.tobytes())  # row-major, as tensor_to_proto sends it
     # Tensor: data (1), dtype (2), shape (3); proto3 writes no empty bytes field.
-    data_key = _TENSOR_DATA_KEY + _varint(data.nbytes) if data.nbytes else b""
+    data_key = _TENSOR_DATA_KEY + varint(data.nbytes) if data.nbytes else b""
     dtype_shape = _tensor_dtype_shape(hidden.dtype, hidden.shape)
     tensor_size = len(data_key) + data.nbytes + len(dtype_shape)
-    hidden_key = _STEP_BATCH_HIDDEN_KEY + _varint(tensor_size)
+    hidden_key = _STEP_BATCH_HIDDEN_KEY + varint(tensor_size)
     return b"".join((head, hidden_key, data_key, data, dtype_shape, tail))
 
 
 def _uint64_field(key: bytes, value: int) -> bytes:
     if not 0 <= value < 1 << 64:
         raise WireError(f"{value} is out of the range of a uint64 field")
-    return key + _varint(value) if value else b""
+    return key + varint(value) if value else b""
 
 
 @functools.lru_cache(maxsize=64)  # a decode step's shape repeats token after token
@@ -301,7 +302,7 @@ def _tensor_dtype_shape(dtype: mx.Dtype, shape: tuple[int, ...]) -> bytes:
     return pb.Tensor(dtype=name, shape=shape).SerializeToString()
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     """Protobuf's base-128 varint of a non-negative int."""
     out = bytearray()
     while value > 0x7F:
@@ -312,7 +313,7 @@ def _varint(value: int) -> bytes:
 
 
 def _key(message: type, field: str, wire_type: int) -> bytes:
-    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
+    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
 
 
 # wire types: 0 varint, 2 length-delimited

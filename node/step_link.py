@@ -142,10 +142,14 @@ class _StepStream(asyncio.Protocol):
             end = FRAME.size + size
             if len(self._buffer) < end:
                 return
-            try:
-                message = pb.StepBatch.FromString(bytes(self._buffer[FRAME.size : end]))
-            except DecodeError as error:
-                self._refuse(f"a malformed step ({error})")
+            with memoryview(self._buffer) as buffer, buffer[FRAME.size : end] as frame:
+                try:  # parsed from the receive buffer itself, not from a copy of it
+                    message = pb.StepBatch.FromString(frame)
+                except DecodeError as error:
+                    message = None
+                    why = f"a malformed step ({error})"
+            if message is None:
+                self._refuse(why)
                 return
             del self._buffer[:end]
             self._listener.accept(message)

@@ -60,7 +60,6 @@ class BulkServer:
     """Listens beside the gRPC service; one thread per node stream."""
 
     def __init__(self, service: WeightsService, host: str = "0.0.0.0", port: int = 0):
-        self.service = service
         server_class = _ServerV6 if ":" in host else _Server
         self._server = server_class((host, port), _BulkHandler)
         self._server.service = service

@@ -100,9 +100,9 @@ class ShardFetcher:
         self.node_id = node_id
         # The service's plain TCP stream (`cluster.weights.bulk`) where it has one: asked for
         # once, on the first fetch; never under TLS (the bytes then stay encrypted).
-        self._bulk = bulk_stream and tls is None
+        self._ask_bulk_port = bulk_stream and tls is None
         self._bulk_address: tuple[str, int] | None = None
-        self._bulk_asked = threading.Lock()
+        self._bulk_lock = threading.Lock()
         self.streams = streams
         self.progress = progress or FetchProgress()
         # One connection per stream: each has its own transport, so the streams' receiving,
@@ -147,15 +147,15 @@ class ShardFetcher:
         return Manifest.from_json(reply.manifest_json, expect_digest=digest)
 
     def _note_bulk_port(self, port: int) -> None:
-        if self._bulk and port:
+        if self._ask_bulk_port and port:
             host = self.address.rpartition(":")[0].strip("[]")
             self._bulk_address = (host, port)
-        self._bulk = False  # asked
+        self._ask_bulk_port = False
 
     def _bulk_target(self, digest: str) -> tuple[str, int] | None:
         """Where the bulk stream listens, asking the service the first time (None: gRPC)."""
-        with self._bulk_asked:
-            if self._bulk:
+        with self._bulk_lock:
+            if self._ask_bulk_port:
                 try:
                     reply = self._manifest_call(
                         pb.WeightsManifestRequest(model_digest=digest, omit_manifest=True),
@@ -164,7 +164,7 @@ class ShardFetcher:
                     )
                     self._note_bulk_port(reply.bulk_port)
                 except grpc.RpcError:
-                    self._bulk = False  # the gRPC fetch will name the error
+                    self._ask_bulk_port = False  # the gRPC fetch will name the error
             return self._bulk_address
 
     def fetch_shard(self, store: WeightsStore, manifest: Manifest, spec: ShardSpec) -> Path:

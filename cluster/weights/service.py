@@ -36,6 +36,7 @@ import grpc
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec
 from cluster.weights.manifest import Manifest, ManifestError, manifest_for, snapshot_of
+from cluster.wire import varint
 from node.auth import TOKEN_HEADER, TLSConfig
 from proto import cluster_pb2 as pb
 
@@ -76,14 +77,7 @@ def encode_chunk(data: bytes) -> bytes:
     """The wire form of `WeightsChunk(data=data)` (field 1, length-delimited)."""
     if not data:
         return b""  # proto3 leaves an empty field out
-    n, header = len(data), bytearray(b"\x0a")
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        header.append(byte | (0x80 if n else 0))
-        if not n:
-            break
-    return b"".join((header, data))
+    return b"".join((b"\x0a", varint(len(data)), data))
 
 
 def decode_chunk(raw: bytes) -> memoryview:
