@@ -360,8 +360,12 @@ async def load_pipeline(
     pinned_addresses: frozenset[str] = frozenset(),
     adopt: bool = False,
     epoch: int = 0,
+    micro_batches: int | None = None,
 ) -> RemotePipeline:
     """Load the shards (evenly split unless `ranges`) and open the streams.
+
+    The head runs the live requests in `micro_batches` groups (default: one per node) that
+    follow one another through the nodes; 1: one batch of all that is queued.
 
     Each node but the tail gets its successor's addresses, times a round trip to each and
     streams over the fastest, unless the successor's address is in `pinned_addresses`.
@@ -397,6 +401,7 @@ async def load_pipeline(
                 model_digest=model_digest,
                 weights_port=weights_port,
                 epoch=epoch,
+                micro_batches=len(addresses) if micro_batches is None else micro_batches,
             )
             if i + 1 < len(addresses):
                 request.next_node_id = infos[i + 1].node_id
@@ -432,6 +437,14 @@ async def open_remote_engine(
     ranges: list[tuple[int, int]] | None = None,
     prefill_chunk: int = 512,
     tls: TLSConfig | None = None,
+    micro_batches: int | None = None,
 ) -> RemoteEngine:
-    pipeline = await load_pipeline(model_dir, addresses, token=token or "", ranges=ranges, tls=tls)
+    pipeline = await load_pipeline(
+        model_dir,
+        addresses,
+        token=token or "",
+        ranges=ranges,
+        tls=tls,
+        micro_batches=micro_batches,
+    )
     return RemoteEngine(GenerationEngine(pipeline, prefill_chunk=prefill_chunk), pipeline)

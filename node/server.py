@@ -197,6 +197,7 @@ class NodeService(pb_grpc.NodeServicer):
                 token=self.token,
                 tls=self.tls,
                 epoch=request.epoch,
+                micro_batches=request.micro_batches,
             )
             self.shard_request = request
             self.shard_loads += 1

@@ -192,6 +192,7 @@ class Stage:
         tls: TLSConfig | None = None,
         max_batch_positions: int = 4096,
         epoch: int = 0,
+        micro_batches: int = 1,
     ):
         # The driver's placement this stage serves: a message of another epoch (from a node
         # that hung and woke up with an old placement's work) is refused, never computed.
@@ -202,6 +203,10 @@ class Stage:
         self.downstream = Downstream(next_node, token, tls) if next_node else None
         self.hop_probe = HopProbe(next_node, token, tls) if next_node else None
         self.max_batch_positions = max_batch_positions
+        # Pipeline parallelism: with one batch of every request, a node waits while the others
+        # compute it. The head lets a share of the live requests in at a time instead, so the
+        # groups follow one another through the nodes (LoadShardRequest.micro_batches).
+        self.micro_batches = micro_batches if runner.spec.is_head and next_node else 1
         self.stats = StageStats()
         self._inbound: deque[_Inbound] = deque()
         self._wakeup = asyncio.Event()
@@ -248,12 +253,19 @@ class Stage:
                     )
 
     def _take(self) -> list[_Inbound]:
-        """Queued messages to run together, in arrival order (`take_batch`)."""
+        """Queued messages to run together, in arrival order (`take_batch`); on a head with
+        micro-batches, at most its share of the requests live on the pipeline."""
+        share = None
+        if self.micro_batches > 1:
+            queued = len({rid for item in self._inbound for rid in item.request_ids})
+            live = max(len(self.runner.requests), queued)
+            share = -(-live // self.micro_batches)
         return take_batch(
             self._inbound,
             self.max_batch_positions,
             ids=lambda item: item.request_ids,
             size=lambda item: sum(len(e.tokens) for e in item.message.entries),
+            max_requests=share,
         )
 
     async def _process(self, batch: list[_Inbound]) -> None:

@@ -33,3 +33,23 @@ def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
             assert decode["tokens"] == [8] and decode["engine_over_steps"] > 0
     assert single["concurrent"]["requests"] == 2 and single["concurrent_compiled"]["runs"]
     assert "engine, 1 process: MTP off" in done.stdout and "its own steps" in done.stdout
+
+
+def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
+    """The paired phase: one process, mlx-lm and 2 node processes loaded at once, one round,
+    then concurrent requests over the nodes micro-batched and in one batch."""
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
+         "--dir", str(tmp_path / "ckpt"), "--json", str(out),
+         "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1", "--paired-nodes", "2",
+         "--tokens", "8", "--concurrent", "2", "--prompt-len", "16"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    paired = json.loads(out.read_text())["paired"]
+    assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
+    assert all(value > 0 for value in paired["ratios"].values())
+    runs = paired["concurrent"]["nodes_runs_over_one_request"]
+    assert [len(runs["micro_batched"]), len(runs["one_batch"])] == [2, 2]
+    assert "side by side, median of 1 rounds' ratios" in done.stdout

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -586,30 +586,44 @@ def _timed(fn: Callable[[], Any], iters: int, warmup: int) -> float:
     return median(times[warmup:]) * 1e3
 
 
+def mlx_lm_load(path: Path) -> tuple[nn.Module, Any]:
+    """mlx-lm's `load` of the directory, its stop tokens cleared (every run decodes all of its
+    tokens)."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    tokenizer.eos_token_ids = set()
+    return model, tokenizer
+
+
+def mlx_lm_run(model: nn.Module, tokenizer: Any, prompt: tuple[int, ...], tokens: int) -> dict:
+    """One greedy `stream_generate`: decode tokens/s from its responses' time stamps, and
+    the figure mlx-lm reports itself."""
+    from mlx_lm import stream_generate
+
+    stamps, last = [], None
+    for response in stream_generate(model, tokenizer, list(prompt), max_tokens=tokens):
+        stamps.append(time.perf_counter())
+        last = response
+    return {
+        "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "reported": last.generation_tps if last else None,
+    }
+
+
 def mlx_lm_decode(path: Path, prompt: tuple[int, ...], tokens: int, repeats: int) -> dict:
     """mlx-lm's `load` + `stream_generate` (greedy) on the same directory."""
-    from mlx_lm import load, stream_generate
-
     t0 = time.perf_counter()
-    model, tokenizer = load(str(path))
+    model, tokenizer = mlx_lm_load(path)
     load_s = time.perf_counter() - t0
-    tokenizer.eos_token_ids = set()
-
-    def run(n: int) -> tuple[float, float]:
-        stamps, last = [], None
-        for response in stream_generate(model, tokenizer, list(prompt), max_tokens=n):
-            stamps.append(time.perf_counter())
-            last = response
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), last.generation_tps
-
-    run(16)
-    runs = [run(tokens) for _ in range(repeats)]
-    tps = [r[0] for r in runs]
+    mlx_lm_run(model, tokenizer, prompt, 16)
+    runs = [mlx_lm_run(model, tokenizer, prompt, tokens) for _ in range(repeats)]
+    tps = [r["tps"] for r in runs]
     return {
         "load_s": load_s,
         "decode_tps": tps,
         "median_tps": median(tps),
-        "reported_generation_tps": [r[1] for r in runs],
+        "reported_generation_tps": [r["reported"] for r in runs],
     }
 
 
@@ -867,12 +881,10 @@ async def _warm_up(engine: GenerationEngine, prompt: tuple[int, ...]) -> None:
         await engine.generate(GenerationRequest(prompt, 16, RequestOptions(mtp=mtp)))
 
 
-async def node_pipeline(
-    args, path: Path, nodes: int, prompt: tuple[int, ...], log: list[str]
-) -> dict:
-    """`nodes` oracle node processes on loopback, driven as `cluster generate --nodes` does."""
-    from node.client import open_remote_engine
-
+@contextlib.asynccontextmanager
+async def node_processes(args, nodes: int, log: list[str]) -> AsyncIterator[tuple[list[str], str]]:
+    """`nodes` oracle node processes on loopback (node i on GPU i % --gpus); yields their
+    addresses and token, and stops them on the way out."""
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(nodes)]
     procs: list[asyncio.subprocess.Process] = []
@@ -902,8 +914,30 @@ async def node_pipeline(
         if not all_ready.done():
             all_ready.cancel()
             raise RuntimeError("nodes did not start:\n" + "\n".join(log[-20:]))
+        yield [f"127.0.0.1:{p}" for p in ports], token
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        for reader in readers:
+            reader.cancel()
+
+
+async def node_pipeline(
+    args, path: Path, nodes: int, prompt: tuple[int, ...], log: list[str]
+) -> dict:
+    """`nodes` oracle node processes on loopback, driven as `cluster generate --nodes` does."""
+    from node.client import open_remote_engine
+
+    async with node_processes(args, nodes, log) as (addresses, token):
         t0 = time.perf_counter()
-        remote = await open_remote_engine(path, [f"127.0.0.1:{p}" for p in ports], token=token)
+        remote = await open_remote_engine(path, addresses, token=token)
         row: dict[str, Any] = {"nodes": nodes, "load_s": time.perf_counter() - t0}
         try:
             await _warm_up(remote.engine, prompt)
@@ -932,18 +966,6 @@ async def node_pipeline(
         finally:
             await remote.close()
         return row
-    finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        for reader in readers:
-            reader.cancel()
 
 
 async def concurrent_decode(
@@ -964,6 +986,152 @@ async def concurrent_decode(
         "decode_tps": [o.generation_tps for o in outs],
         "aggregate_tps": sum(o.generation_tps for o in outs),
     }
+
+
+# ---- side by side: one process, mlx-lm and the nodes, round by round ------------------------
+
+
+@contextlib.contextmanager
+def _oracle(alpha: float, seed: int = 3):
+    """This process's drafts accepted with probability `alpha` (the nodes have their own)."""
+    previous = install_oracle(alpha, seed=seed)
+    try:
+        yield
+    finally:
+        restore_decide(previous)
+
+
+async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: list[str]) -> None:
+    """Ours in one process, mlx-lm's `stream_generate` and ours over `--paired-nodes` node
+    processes (node i on GPU i % --gpus), all loaded at once and measured in turn, round after
+    round: each ratio comes from runs seconds apart and the figure is the median of a ratio's
+    rounds. On a host whose speed drifts between phases (the same engine measured 45.9 and
+    37.1 tok/s minutes apart, BENCHMARKS.md run U), ratios of figures taken in separate phases
+    are noise; these are not. Then `--concurrent` requests at once in one process and over the
+    nodes, with the head's micro-batches and with one batch (`micro_batches=1`), alternated.
+    Everything runs at the per-backend defaults (what `cluster` runs)."""
+    from node.client import open_remote_engine
+
+    out: dict[str, Any] = {"nodes": args.paired_nodes, "rounds": []}
+    report["paired"] = out
+    worker = MLXWorker()
+    try:
+        shard = await worker.run(load_shard, path, for_decoding=True)
+        runner = ShardRunner(shard)
+        local = GenerationEngine(
+            LocalPipeline([runner], worker, max_context=load_model_config(path).max_context)
+        )
+        lm = await worker.run(mlx_lm_load, path)
+        await worker.run(mlx_lm_run, *lm, prompt, 16)
+        await _warm_up(local, prompt)
+        async with node_processes(args, args.paired_nodes, log) as (addresses, token):
+            remote = await open_remote_engine(path, addresses, token=token)
+            try:
+                await _warm_up(remote.engine, prompt)
+                for i in range(args.rounds):
+                    row = await _paired_round(args, worker, runner, local, remote, prompt, lm)
+                    out["rounds"].append(row)
+                    print(
+                        f"  round {i + 1}: "
+                        + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "node_step_ms"),
+                        flush=True,
+                    )
+            finally:
+                await remote.close()
+            if args.concurrent > 1:
+                out["concurrent"] = await _paired_concurrency(
+                    args, path, addresses, token, local, prompt
+                )
+    finally:
+        worker.close()
+    rounds = out["rounds"]
+    ratios = {
+        "one_process_off_over_mlx_lm": ("local_off", "mlx_lm"),
+        "one_process_on_over_mlx_lm": ("local_on", "mlx_lm"),
+        "one_process_on_over_off": ("local_on", "local_off"),
+        "nodes_off_over_one_process": ("nodes_off", "local_off"),
+        "nodes_on_over_mlx_lm": ("nodes_on", "mlx_lm"),
+        "nodes_on_over_off": ("nodes_on", "nodes_off"),
+    }
+    out["ratios"] = {name: median([r[a] / r[b] for r in rounds]) for name, (a, b) in ratios.items()}
+    # Each node's step against its layers' share (an even split) of the one-process step.
+    out["node_step_over_share"] = [
+        median([r["node_step_ms"][k] * args.paired_nodes / r["local_step_ms"] for r in rounds])
+        for k in range(args.paired_nodes)
+    ]
+
+
+async def _paired_round(
+    args,
+    worker: MLXWorker,
+    runner: ShardRunner,
+    local: GenerationEngine,
+    remote: Any,
+    prompt: tuple[int, ...],
+    lm: tuple[nn.Module, Any],
+) -> dict[str, Any]:
+    """One decode of each, tokens/s: one process MTP off and on, mlx-lm, the nodes MTP off and
+    on; with the one-process step and each node's step (ms) of the MTP-off runs."""
+    row: dict[str, Any] = {}
+    cost = runner.step_cost
+    seconds, batches = cost.total_seconds, cost.total_batches
+    row["local_off"] = (await engine_decode(local, prompt, args.tokens, 1, False))["median_tps"]
+    row["local_step_ms"] = (cost.total_seconds - seconds) / (cost.total_batches - batches) * 1e3
+    with _oracle(0.7):
+        row["local_on"] = (await engine_decode(local, prompt, args.tokens, 1, True))["median_tps"]
+    row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
+    row["nodes_off"] = (await engine_decode(remote.engine, prompt, args.tokens, 1, False))[
+        "median_tps"
+    ]
+    row["node_step_ms"] = [(await c.info()).step_latency_ms for c in remote.pipeline.clients]
+    row["nodes_on"] = (await engine_decode(remote.engine, prompt, args.tokens, 1, True))[
+        "median_tps"
+    ]
+    return row
+
+
+async def _paired_concurrency(
+    args,
+    path: Path,
+    addresses: list[str],
+    token: str,
+    local: GenerationEngine,
+    prompt: tuple[int, ...],
+) -> dict[str, Any]:
+    """`--concurrent` MTP-on requests at once: in one process, then over the nodes with one
+    micro-batch per node (the default) and with a single batch, alternated twice. The nodes
+    reload their shards for each setting (LoadShardRequest.micro_batches), so each timed
+    batch follows a short untimed one (traces and kernels of the new shard)."""
+    from node.client import open_remote_engine
+
+    out: dict[str, Any] = {"requests": args.concurrent}
+    with _oracle(0.7):
+        await concurrent_decode(local, prompt, WARM_BATCH_TOKENS, args.concurrent)
+        out["one_process"] = [
+            (await concurrent_decode(local, prompt, args.tokens, args.concurrent))["aggregate_tps"]
+            for _ in range(2)
+        ]
+    settings = {"micro_batched": None, "one_batch": 1}
+    runs: dict[str, list[float]] = {name: [] for name in settings}
+    for name in [*settings, *settings]:
+        remote = await open_remote_engine(
+            path, addresses, token=token, micro_batches=settings[name]
+        )
+        try:
+            await concurrent_decode(remote.engine, prompt, WARM_BATCH_TOKENS, args.concurrent)
+            one = await engine_decode(remote.engine, prompt, args.tokens, 1, True)
+            batch = await concurrent_decode(remote.engine, prompt, args.tokens, args.concurrent)
+        finally:
+            await remote.close()
+        runs[name].append(batch["aggregate_tps"] / one["median_tps"])
+        print(
+            f"  {args.paired_nodes} nodes, {args.concurrent} concurrent MTP on ({name}): "
+            f"{batch['aggregate_tps']:.1f} tok/s, {runs[name][-1]:.2f}x one request",
+            flush=True,
+        )
+    out["nodes_over_one_request"] = {name: median(r) for name, r in runs.items()}
+    out["nodes_runs_over_one_request"] = runs
+    return out
 
 
 async def _read_lines(
@@ -1172,10 +1340,11 @@ async def run(args) -> dict:
         save()
         return report
 
-    print("== one process", flush=True)
-    with _recorded(report, "single_error"):
-        await single_process(args, path, prompt, report)
-    save()
+    if "single" not in args.skip:
+        print("== one process", flush=True)
+        with _recorded(report, "single_error"):
+            await single_process(args, path, prompt, report)
+        save()
     if "mlx_lm" not in args.skip and deadline.allows("mlx-lm stream_generate", 60, report):
         print("== mlx-lm stream_generate", flush=True)
         worker = MLXWorker()
@@ -1198,6 +1367,11 @@ async def run(args) -> dict:
         except Exception as error:  # keep the other phases' figures
             report["nodes"][str(n)] = {"error": f"{type(error).__name__}: {error}"}
             print(f"  failed: {error}", flush=True)
+        save()
+    if "paired" not in args.skip and deadline.allows("side by side", 150, report):
+        print(f"== side by side: one process, mlx-lm, {args.paired_nodes} nodes", flush=True)
+        with _recorded(report, "paired_error"):
+            await paired(args, path, prompt, report, log)
         save()
     report["node_log_tail"] = log[-60:]
     if "pipeline" not in args.skip and deadline.allows("mlx-lm pipeline", 90, report):
@@ -1339,6 +1513,30 @@ def summarize(report: dict) -> None:
             )
         else:
             lines.append(f"mlx-lm pipeline ring 2 ranks ({how}): FAILED: {attempt['error'][:300]}")
+    paired_out = report.get("paired", {})
+    if paired_out.get("ratios"):
+        n = paired_out["nodes"]
+        r = paired_out["ratios"]
+        s["paired"] = {**r, "node_step_over_share": paired_out["node_step_over_share"]}
+        lines.append(
+            f"side by side, median of {len(paired_out['rounds'])} rounds' ratios: one process "
+            f"MTP off / mlx-lm {r['one_process_off_over_mlx_lm']:.2f}x, MTP on a=0.7 / mlx-lm "
+            f"{r['one_process_on_over_mlx_lm']:.2f}x (on/off {r['one_process_on_over_off']:.2f}x)"
+        )
+        lines.append(
+            f"  {n} nodes MTP off / one process {r['nodes_off_over_one_process']:.2f}x; "
+            f"MTP on / mlx-lm {r['nodes_on_over_mlx_lm']:.2f}x (on/off "
+            f"{r['nodes_on_over_off']:.2f}x); node step / its share of the one-process step "
+            f"{_fmt(paired_out['node_step_over_share'])}"
+        )
+        if c := paired_out.get("concurrent"):
+            over = c["nodes_over_one_request"]
+            s["paired"]["concurrent_over_one_request"] = over
+            lines.append(
+                f"  {c['requests']} concurrent MTP on over {n} nodes / one request: "
+                f"micro-batched {over['micro_batched']:.2f}x, one batch {over['one_batch']:.2f}x"
+                f"; in one process {median(c['one_process']):.1f} tok/s"
+            )
     for skipped in report.get("skipped", []):
         lines.append(f"skipped {skipped}")
     report["summary"] = s
@@ -1390,7 +1588,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip",
         type=lambda s: set(s.split(",")),
         default=set(),
-        help="phases to leave out: mlx_lm,nodes,pipeline (with --diagnose: mlx_lm,local)",
+        help="phases to leave out: single,mlx_lm,nodes,paired,pipeline (with --diagnose: "
+        "mlx_lm,local)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds of the side-by-side phase (paired)"
+    )
+    parser.add_argument(
+        "--paired-nodes", type=int, default=2, help="node processes of the side-by-side phase"
     )
     parser.add_argument("--deadline-s", type=float, default=500)
     parser.add_argument("--cache-limit-gb", type=float, default=8)

@@ -31,11 +31,16 @@ class Pipeline(Protocol):
 
 
 def take_batch(
-    queue: deque[T], limit: int, ids: Callable[[T], Collection[str]], size: Callable[[T], int]
+    queue: deque[T],
+    limit: int,
+    ids: Callable[[T], Collection[str]],
+    size: Callable[[T], int],
+    max_requests: int | None = None,
 ) -> list[T]:
     """The oldest queued items to run as one batch: at most one step per request (a request's
-    next chunk waits for the next batch) and at most `limit` positions (the first item is
-    always taken). The rest stay queued, in order. Shared by the local pipeline and nodes."""
+    next chunk waits for the next batch), at most `limit` positions and at most `max_requests`
+    requests (the first item is always taken). The rest stay queued, in order. Shared by the
+    local pipeline and nodes."""
     batch: list[T] = []
     seen: set[str] = set()
     deferred: list[T] = []
@@ -43,7 +48,11 @@ def take_batch(
     while queue:
         item = queue.popleft()
         item_ids, item_size = ids(item), size(item)
-        if not seen.isdisjoint(item_ids) or (batch and positions + item_size > limit):
+        if (
+            not seen.isdisjoint(item_ids)
+            or (batch and positions + item_size > limit)
+            or (batch and max_requests is not None and len(seen) + len(item_ids) > max_requests)
+        ):
             deferred.append(item)
             continue
         seen.update(item_ids)
