@@ -1054,6 +1054,9 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         "nodes_on_over_off": ("nodes_on", "nodes_off"),
     }
     out["ratios"] = {name: median([r[a] / r[b] for r in rounds]) for name, (a, b) in ratios.items()}
+    out["ratios"]["one_process_engine_over_its_steps"] = median(
+        [r["local_engine_over_steps"] for r in rounds]
+    )
     # Each node's step against its layers' share (an even split) of the one-process step.
     out["node_step_over_share"] = [
         median([r["node_step_ms"][k] * args.paired_nodes / r["local_step_ms"] for r in rounds])
@@ -1075,8 +1078,10 @@ async def _paired_round(
     row: dict[str, Any] = {}
     cost = runner.step_cost
     seconds, batches = cost.total_seconds, cost.total_batches
-    row["local_off"] = (await engine_decode(local, prompt, args.tokens, 1, False))["median_tps"]
+    off = await engine_decode(local, prompt, args.tokens, 1, False)
+    row["local_off"] = off["median_tps"]
     row["local_step_ms"] = (cost.total_seconds - seconds) / (cost.total_batches - batches) * 1e3
+    row["local_engine_over_steps"] = off["engine_over_steps"]
     with _oracle(0.7):
         row["local_on"] = (await engine_decode(local, prompt, args.tokens, 1, True))["median_tps"]
     row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
@@ -1522,6 +1527,7 @@ def summarize(report: dict) -> None:
             f"side by side, median of {len(paired_out['rounds'])} rounds' ratios: one process "
             f"MTP off / mlx-lm {r['one_process_off_over_mlx_lm']:.2f}x, MTP on a=0.7 / mlx-lm "
             f"{r['one_process_on_over_mlx_lm']:.2f}x (on/off {r['one_process_on_over_off']:.2f}x)"
+            f"; engine MTP off / its own steps {r['one_process_engine_over_its_steps']:.3f}x"
         )
         lines.append(
             f"  {n} nodes MTP off / one process {r['nodes_off_over_one_process']:.2f}x; "
