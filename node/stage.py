@@ -257,9 +257,11 @@ class Stage:
         micro-batches, at most its share of the requests live on the pipeline."""
         share = None
         if self.micro_batches > 1:
-            queued = len({rid for item in self._inbound for rid in item.request_ids})
-            live = max(len(self.runner.requests), queued)
-            share = -(-live // self.micro_batches)
+            # Held by the shard, or queued for their first step. (Lookups only: releases
+            # change the shard's dict on the MLX worker thread meanwhile.)
+            held = self.runner.requests
+            new = {rid for item in self._inbound for rid in item.request_ids if rid not in held}
+            share = -(-(len(held) + len(new)) // self.micro_batches)
         return take_batch(
             self._inbound,
             self.max_batch_positions,

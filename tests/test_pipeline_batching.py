@@ -80,9 +80,12 @@ def test_the_head_lets_its_share_of_the_live_requests_in_at_a_time() -> None:
             assert _taken(head) == list("efgh")
             _queue_steps(head, "abc")  # fewer queued than the share: all of them
             assert _taken(head) == list("abc")
-            _queue_steps(head, "xyz")  # new requests count as live before the head holds them
-            head.runner.requests.clear()
-            assert _taken(head) == list("xy")
+            _queue_steps(head, "xyz")  # requests not held yet count as live too: 11 in all
+            assert _taken(head) == list("xyz")
+            _queue_steps(head, "abcdefgxyz")
+            assert _taken(head) == list("abcdef")
+            head.runner.requests.clear()  # all released: the 4 queued are all that is live
+            assert _taken(head) == list("gx")
         finally:
             await head.close()
         middle = _stage(is_head=False, live="abcdefgh", micro_batches=2)
