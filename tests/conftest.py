@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -13,6 +14,13 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from cluster.config import bundled_model_path
 
 T = TypeVar("T")
+
+# Tests stop daemons with Ctrl-C (SIGINT) and check that they say goodbye on the way out. A
+# shell starting the test run in the background (`... &`) leaves SIGINT ignored, and an ignored
+# signal stays ignored across exec: every daemon would ignore its Ctrl-C. A handler does not
+# survive exec, so with one here the daemons start with SIGINT at its default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 CODE_PROMPTS = (
     "import os\nimport sys\n\ndef main(",
