@@ -50,6 +50,26 @@ def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     paired = json.loads(out.read_text())["paired"]
     assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
     assert all(value > 0 for value in paired["ratios"].values())
+    assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
     runs = paired["concurrent"]["nodes_runs_over_one_request"]
     assert [len(runs["micro_batched"]), len(runs["one_batch"])] == [2, 2]
     assert "side by side, median of 1 rounds' ratios" in done.stdout
+
+
+def test_tiny_side_by_side_phase_without_nodes(tmp_path: Path) -> None:
+    """`--paired-nodes 0` (a host with one GPU): one process with and without steps built
+    ahead, and mlx-lm, round by round."""
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
+         "--dir", str(tmp_path / "ckpt"), "--json", str(out),
+         "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "2", "--paired-nodes", "0",
+         "--tokens", "8", "--concurrent", "0", "--prompt-len", "16"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    paired = json.loads(out.read_text())["paired"]
+    assert len(paired["rounds"]) == 2 and paired["node_step_over_share"] == []
+    assert not any(key.startswith("nodes") for key in paired["ratios"])
+    assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
+    assert "steps built ahead: MTP off" in done.stdout

@@ -314,6 +314,18 @@ def step_times(
     """`ShardRunner.run` over the whole model: plain one-token steps (MTP off) and verify
     steps [y, d] with the tail's own drafts (MTP on, the oracle deciding at `alpha`)."""
     out: dict[str, Any] = {}
+    lookahead, runner.lookahead = runner.lookahead, False  # a step's own time, not overlapped
+    try:
+        _plain_and_verify_steps(runner, prompt, iters, warmup, alpha, out)
+    finally:
+        runner.lookahead = lookahead
+    out["verify_over_plain"] = out["verify"]["median_ms"] / out["plain"]["median_ms"]
+    return out
+
+
+def _plain_and_verify_steps(
+    runner: ShardRunner, prompt: tuple[int, ...], iters: int, warmup: int, alpha: float, out: dict
+) -> None:
     res = runner.run([StepRequest("plain", prompt, 0, options=RequestOptions(mtp=False))])
     y, position = res.results[0].tokens[-1], len(prompt)
     times = []
@@ -344,8 +356,6 @@ def step_times(
         restore_decide(previous)
     out["verify"] = _ms(times[warmup:])
     out["verify_acceptance"] = accepted / iters
-    out["verify_over_plain"] = out["verify"]["median_ms"] / out["plain"]["median_ms"]
-    return out
 
 
 def breakdown(shard: ModelShard, prompt: tuple[int, ...], iters: int, warmup: int) -> dict:
@@ -1024,10 +1034,16 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         lm = await worker.run(mlx_lm_load, path)
         await worker.run(mlx_lm_run, *lm, prompt, 16)
         await _warm_up(local, prompt)
-        async with node_processes(args, args.paired_nodes, log) as (addresses, token):
-            remote = await open_remote_engine(path, addresses, token=token)
+        nodes = (
+            node_processes(args, args.paired_nodes, log)
+            if args.paired_nodes
+            else contextlib.nullcontext(([], ""))
+        )
+        async with nodes as (addresses, token):
+            remote = await open_remote_engine(path, addresses, token=token) if addresses else None
             try:
-                await _warm_up(remote.engine, prompt)
+                if remote is not None:
+                    await _warm_up(remote.engine, prompt)
                 for i in range(args.rounds):
                     row = await _paired_round(args, worker, runner, local, remote, prompt, lm)
                     out["rounds"].append(row)
@@ -1037,7 +1053,8 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
                         flush=True,
                     )
             finally:
-                await remote.close()
+                if remote is not None:
+                    await remote.close()
             if args.concurrent > 1:
                 out["concurrent"] = await _paired_concurrency(
                     args, path, addresses, token, local, prompt
@@ -1049,14 +1066,21 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         "one_process_off_over_mlx_lm": ("local_off", "mlx_lm"),
         "one_process_on_over_mlx_lm": ("local_on", "mlx_lm"),
         "one_process_on_over_off": ("local_on", "local_off"),
-        "nodes_off_over_one_process": ("nodes_off", "local_off"),
-        "nodes_on_over_mlx_lm": ("nodes_on", "mlx_lm"),
-        "nodes_on_over_off": ("nodes_on", "nodes_off"),
+        "one_process_lookahead_on_over_off": ("local_off", "local_off_no_lookahead"),
+        "one_process_no_lookahead_over_mlx_lm": ("local_off_no_lookahead", "mlx_lm"),
     }
+    if args.paired_nodes:
+        ratios |= {
+            "nodes_off_over_one_process": ("nodes_off", "local_off"),
+            "nodes_on_over_mlx_lm": ("nodes_on", "mlx_lm"),
+            "nodes_on_over_off": ("nodes_on", "nodes_off"),
+        }
     out["ratios"] = {name: median([r[a] / r[b] for r in rounds]) for name, (a, b) in ratios.items()}
-    out["ratios"]["one_process_engine_over_its_steps"] = median(
-        [r["local_engine_over_steps"] for r in rounds]
-    )
+    for name, key in (
+        ("one_process_engine_over_its_steps", "local_engine_over_steps"),
+        ("one_process_engine_over_steps_no_lookahead", "local_engine_over_steps_no_lookahead"),
+    ):
+        out["ratios"][name] = median([r[key] for r in rounds])
     # Each node's step against its layers' share (an even split) of the one-process step.
     out["node_step_over_share"] = [
         median([r["node_step_ms"][k] * args.paired_nodes / r["local_step_ms"] for r in rounds])
@@ -1069,7 +1093,7 @@ async def _paired_round(
     worker: MLXWorker,
     runner: ShardRunner,
     local: GenerationEngine,
-    remote: Any,
+    remote: Any | None,
     prompt: tuple[int, ...],
     lm: tuple[nn.Module, Any],
 ) -> dict[str, Any]:
@@ -1077,14 +1101,23 @@ async def _paired_round(
     on; with the one-process step and each node's step (ms) of the MTP-off runs."""
     row: dict[str, Any] = {}
     cost = runner.step_cost
+    # MTP off without steps built ahead (`ShardRunner.lookahead`): each step's own time,
+    # which the node steps are set against, and what building ahead buys.
+    runner.lookahead = False
     seconds, batches = cost.total_seconds, cost.total_batches
     off = await engine_decode(local, prompt, args.tokens, 1, False)
-    row["local_off"] = off["median_tps"]
+    runner.lookahead = True
+    row["local_off_no_lookahead"] = off["median_tps"]
     row["local_step_ms"] = (cost.total_seconds - seconds) / (cost.total_batches - batches) * 1e3
+    row["local_engine_over_steps_no_lookahead"] = off["engine_over_steps"]
+    off = await engine_decode(local, prompt, args.tokens, 1, False)
+    row["local_off"] = off["median_tps"]
     row["local_engine_over_steps"] = off["engine_over_steps"]
     with _oracle(0.7):
         row["local_on"] = (await engine_decode(local, prompt, args.tokens, 1, True))["median_tps"]
     row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
+    if remote is None:
+        return row
     row["nodes_off"] = (await engine_decode(remote.engine, prompt, args.tokens, 1, False))[
         "median_tps"
     ]
@@ -1116,6 +1149,8 @@ async def _paired_concurrency(
             (await concurrent_decode(local, prompt, args.tokens, args.concurrent))["aggregate_tps"]
             for _ in range(2)
         ]
+    if not addresses:
+        return out
     settings = {"micro_batched": None, "one_batch": 1}
     runs: dict[str, list[float]] = {name: [] for name in settings}
     for name in [*settings, *settings]:
@@ -1530,18 +1565,27 @@ def summarize(report: dict) -> None:
             f"; engine MTP off / its own steps {r['one_process_engine_over_its_steps']:.3f}x"
         )
         lines.append(
-            f"  {n} nodes MTP off / one process {r['nodes_off_over_one_process']:.2f}x; "
-            f"MTP on / mlx-lm {r['nodes_on_over_mlx_lm']:.2f}x (on/off "
-            f"{r['nodes_on_over_off']:.2f}x); node step / its share of the one-process step "
-            f"{_fmt(paired_out['node_step_over_share'])}"
+            f"  steps built ahead: MTP off {r['one_process_lookahead_on_over_off']:.2f}x without "
+            f"them; without them / mlx-lm {r['one_process_no_lookahead_over_mlx_lm']:.2f}x, "
+            f"engine / its own steps {r['one_process_engine_over_steps_no_lookahead']:.3f}x"
         )
+        if n:
+            lines.append(
+                f"  {n} nodes MTP off / one process {r['nodes_off_over_one_process']:.2f}x; "
+                f"MTP on / mlx-lm {r['nodes_on_over_mlx_lm']:.2f}x (on/off "
+                f"{r['nodes_on_over_off']:.2f}x); node step / its share of the one-process step "
+                f"{_fmt(paired_out['node_step_over_share'])}"
+            )
         if c := paired_out.get("concurrent"):
-            over = c["nodes_over_one_request"]
+            lines.append(
+                f"  {c['requests']} concurrent MTP on in one process: "
+                f"{median(c['one_process']):.1f} tok/s"
+            )
+        if c and (over := c.get("nodes_over_one_request")):
             s["paired"]["concurrent_over_one_request"] = over
             lines.append(
                 f"  {c['requests']} concurrent MTP on over {n} nodes / one request: "
                 f"micro-batched {over['micro_batched']:.2f}x, one batch {over['one_batch']:.2f}x"
-                f"; in one process {median(c['one_process']):.1f} tok/s"
             )
     for skipped in report.get("skipped", []):
         lines.append(f"skipped {skipped}")
@@ -1601,7 +1645,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds", type=int, default=5, help="rounds of the side-by-side phase (paired)"
     )
     parser.add_argument(
-        "--paired-nodes", type=int, default=2, help="node processes of the side-by-side phase"
+        "--paired-nodes",
+        type=int,
+        default=2,
+        help="node processes of the side-by-side phase (0: one process and mlx-lm only)",
     )
     parser.add_argument("--deadline-s", type=float, default=500)
     parser.add_argument("--cache-limit-gb", type=float, default=8)

@@ -4,6 +4,15 @@
 returns the hidden states for the next node or, on the tail, the step results. Requests that
 cannot run (unknown id, wrong position, over the cache budget) are answered with an error of
 their own and left out of the batch; the other requests of the batch run as usual.
+
+Steps built ahead: a shard that is both head and tail (a model in one process) knows each
+request's next plain step before anyone asks for it, but for its token, which is still on the
+device. So before it reads a batch's tokens it builds and launches the batch that feeds them
+back (mlx-lm's `generate_step` does the same with its lazy token), and the device computes
+step n+1 while the host reads step n, answers it and receives the engine's next step. If that
+step is the one built, its results are already under way; anything else (a stop, a request
+that joined or left, a rollback or a release) first undoes the step built ahead, from a mark
+of each request's caches taken before it, so every step sees exactly the caches it would have.
 """
 
 from __future__ import annotations
@@ -17,9 +26,9 @@ import mlx.core as mx
 
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
 from cluster.decode.step_cost import StepCost
-from cluster.decode.tail import Tail, TailRequest
+from cluster.decode.tail import Tail, TailJob, TailRequest
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
-from cluster.model.cache import RequestCache
+from cluster.model.cache import CacheMark, RequestCache
 from cluster.model.layers import Segment
 from cluster.model.shard import ModelShard
 
@@ -56,6 +65,25 @@ class BatchOutput:
     prefix_dropped: list[int] = field(default_factory=list)  # snapshot ids no longer held
 
 
+# A request's place in a packed batch: its first row, its step, its state.
+Runnable = tuple[int, StepRequest, RequestState]
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A batch built and launched before it was asked for: each request's next plain step,
+    fed the token its last step emits. `steps` hold that token once it is read; `marks` are
+    the requests' caches from before this batch, to undo it."""
+
+    runnable: list[Runnable]
+    jobs: list[TailJob]
+    marks: list[CacheMark]
+    steps: list[StepRequest] = field(default_factory=list)
+
+    def holds(self, request_id: str | None) -> bool:
+        return request_id is None or any(s.request_id == request_id for _, s, _ in self.runnable)
+
+
 class ShardRunner:
     def __init__(
         self,
@@ -64,9 +92,15 @@ class ShardRunner:
         cache_budget_bytes: int | None = None,
         mtp_reads_prenorm: bool = False,
         prefix_budget_bytes: int | None = None,
+        lookahead: bool = True,
     ):
         self.shard = shard
         self.spec = shard.spec
+        # Steps built ahead (see the module's docstring): only a head and tail knows them.
+        self.lookahead = lookahead and shard.spec.is_head and shard.spec.is_tail
+        self._ahead: _Ahead | None = None
+        self.steps_ahead_used = 0
+        self.steps_ahead_undone = 0
         self.cache_budget_bytes = cache_budget_bytes
         self.step_cost = StepCost()  # this shard's batches, timed (read by the MTP depth policy)
         self.tail = (
@@ -86,7 +120,14 @@ class ShardRunner:
 
     def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
         started = time.perf_counter()
-        output = self._run(steps, hidden)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.steps == steps:
+            self.steps_ahead_used += 1
+            output = self._run_ahead(ahead)
+        else:
+            if ahead is not None:
+                self._undo(ahead)
+            output = self._run(steps, hidden)
         # Decode batches only (one confirmed token per request): a prefill chunk's positions
         # cost less each (one lm_head row, no drafts), and would bend the decode curve.
         if output.steps and all(step.n_confirmed == 1 for step in output.steps):
@@ -96,7 +137,7 @@ class ShardRunner:
 
     def _run(self, steps: list[StepRequest], hidden: mx.array | None) -> BatchOutput:
         errors: dict[str, RequestError] = {}
-        runnable: list[tuple[int, StepRequest, RequestState]] = []
+        runnable: list[Runnable] = []
         start = 0
         for step in steps:
             try:
@@ -126,9 +167,74 @@ class ShardRunner:
             mx.eval(out)
             dropped = self._save_prefixes(runnable)
             return BatchOutput(ran, hidden=out, errors=errors, prefix_dropped=dropped)
-        results = self.tail.finish(ran, [state.tail for _, _, state in runnable], out)
+        jobs = self.tail.launch(ran, [state.tail for _, _, state in runnable], out)
+        return self._conclude(runnable, jobs, errors)
+
+    def _conclude(
+        self, runnable: list[Runnable], jobs: list[TailJob], errors: dict[str, RequestError]
+    ) -> BatchOutput:
+        """The tail's results of a launched batch; first, where it can, the batch after it."""
+        if self.lookahead:
+            self._ahead = self._start_ahead(runnable, jobs)
+        results = self.tail.conclude(jobs)
+        if self._ahead is not None:
+            self._ahead.steps = [
+                StepRequest(step.request_id, result.tokens[-1:], step.position + result.keep)
+                for (_, step, _), result in zip(runnable, results, strict=True)
+            ]
         dropped = self._save_prefixes(runnable)
+        ran = [step for _, step, _ in runnable]
         return BatchOutput(ran, results=results, errors=errors, prefix_dropped=dropped)
+
+    def _start_ahead(self, runnable: list[Runnable], jobs: list[TailJob]) -> _Ahead | None:
+        """Build and launch the batch that feeds each request the token it is about to emit,
+        where every request's next step is a plain one; None where not."""
+        tokens = [Tail.next_input(job) for job in jobs]
+        if any(t is None for t in tokens) or any(step.prefix_save for _, step, _ in runnable):
+            return None  # (a prefix snapshot reads the caches after this step: not ahead)
+        states = [state for _, _, state in runnable]
+        try:
+            for state in states:
+                self._check_budget(state, 1)
+        except CacheBudgetError:
+            return None  # the engine's own step will say so
+        marks = [state.cache.mark() for state in states]
+        # Each step's token is a placeholder until it is read; the layers take it on the device.
+        ahead: list[Runnable] = []
+        segments = []
+        for row, (_, step, state) in enumerate(runnable):
+            position = step.position + len(step.tokens)
+            ahead.append((row, StepRequest(step.request_id, (0,), position), state))
+            state.cache.begin_step(0, 1)
+            segments.append(Segment(state.cache, 1, 1))
+        out = self.shard(self.shard.embed(mx.concatenate(tokens)[None]), segments)
+        steps = [step for _, step, _ in ahead]
+        jobs = self.tail.launch(steps, [state.tail for state in states], out)
+        return _Ahead(ahead, jobs, marks)
+
+    def _run_ahead(self, ahead: _Ahead) -> BatchOutput:
+        """The batch built ahead, now asked for: conclude it (building the one after)."""
+        runnable = []
+        now = time.monotonic()
+        for (row, _, state), step, job in zip(ahead.runnable, ahead.steps, ahead.jobs, strict=True):
+            job.step = step  # the token, read since
+            state.last_used = now
+            runnable.append((row, step, state))
+        self.positions_computed += len(runnable)
+        return self._conclude(runnable, ahead.jobs, {})
+
+    def _undo(self, ahead: _Ahead) -> None:
+        """Take back a batch built ahead that was not asked for: the caches as before it."""
+        self.steps_ahead_undone += 1
+        for (_, _, state), mark in zip(ahead.runnable, ahead.marks, strict=True):
+            state.cache.restore(mark)
+
+    def settle(self, request_id: str | None = None) -> None:
+        """Undo the batch built ahead if it holds `request_id` (None: whatever it holds):
+        before anything but a step touches the requests' caches."""
+        if self._ahead is not None and self._ahead.holds(request_id):
+            ahead, self._ahead = self._ahead, None
+            self._undo(ahead)
 
     def _prepare(self, step: StepRequest) -> RequestState:
         self._check_tokens(step)
@@ -190,7 +296,7 @@ class ShardRunner:
         self.requests[step.request_id] = state
         return state
 
-    def _save_prefixes(self, runnable: list[tuple[int, StepRequest, RequestState]]) -> list[int]:
+    def _save_prefixes(self, runnable: list[Runnable]) -> list[int]:
         """Snapshots asked for at the end of this step (its positions are all confirmed)."""
         dropped: list[int] = []
         for _, step, state in runnable:
@@ -206,7 +312,7 @@ class ShardRunner:
         return dropped
 
     @staticmethod
-    def _rows(hidden: mx.array, runnable: list[tuple[int, StepRequest, RequestState]]) -> mx.array:
+    def _rows(hidden: mx.array, runnable: list[Runnable]) -> mx.array:
         return mx.concatenate(
             [hidden[:, s : s + len(step.tokens)] for s, step, _ in runnable], axis=1
         )
@@ -248,6 +354,7 @@ class ShardRunner:
 
     def rollback(self, request_id: str, drop: int) -> int:
         """The standalone trim-and-restore signal; returns the position now held."""
+        self.settle(request_id)
         state = self.requests.get(request_id)
         if state is None:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
@@ -263,6 +370,7 @@ class ShardRunner:
         """Release a request, keeping its first `positions` positions (all but what its last
         step's rollback would drop) as a prefix snapshot. Returns whether the snapshot is held
         and the ids of the snapshots no longer held."""
+        self.settle(request_id)
         state = self.requests.get(request_id)
         self.release(request_id)
         if state is None:
@@ -281,6 +389,7 @@ class ShardRunner:
         return snapshot_id not in dropped, dropped
 
     def release(self, request_id: str) -> bool:
+        self.settle(request_id)
         self._released[request_id] = None
         if len(self._released) > RELEASED_MEMORY:
             self._released.popitem(last=False)
@@ -289,6 +398,7 @@ class ShardRunner:
     def close(self) -> None:
         """Drop every request and snapshot: the shard is replaced (a new placement). A step
         stream still open to the old stage must not keep their caches alive."""
+        self._ahead = None
         self.requests.clear()
         self.snapshots.clear()
 
@@ -296,5 +406,6 @@ class ShardRunner:
         now = time.monotonic()
         stale = [rid for rid, s in self.requests.items() if now - s.last_used > idle_seconds]
         for rid in stale:
+            self.settle(rid)
             del self.requests[rid]
         return stale

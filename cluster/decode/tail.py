@@ -82,7 +82,7 @@ class TailRequest:
 
 
 @dataclass(slots=True)
-class _Job:
+class TailJob:
     """One request's share of a step at the tail, as it is built up."""
 
     step: StepRequest
@@ -159,13 +159,16 @@ class Tail:
         if drafts != state.drafts[: len(drafts)]:
             raise RequestError(f"request {step.request_id!r}: the drafts are not the tail's")
 
-    def finish(
+    def launch(
         self, steps: list[StepRequest], states: list[TailRequest], hidden: mx.array
-    ) -> list[StepResult]:
+    ) -> list[TailJob]:
+        """Build the step's tail work lazily (tokens, verdicts, the next drafts) and start
+        the device on it; `conclude` reads it. Between the two, the caller may build more
+        work on the lazy tokens (`next_input`): the runner's step built ahead."""
         normed = self.shard.norm(hidden)
         mtp_input = hidden if self.mtp_reads_prenorm else normed
         offsets = itertools.accumulate((len(s.tokens) for s in steps), initial=0)
-        jobs = [_Job(s, state, o) for s, state, o in zip(steps, states, offsets, strict=False)]
+        jobs = [TailJob(s, st, o) for s, st, o in zip(steps, states, offsets, strict=False)]
         self._verify(jobs, normed)
         mtp_jobs = [j for j in jobs if j.state.mtp_cache is not None]
         # The next step's depth, from the verdicts before this one: known before the sync, a
@@ -178,13 +181,33 @@ class Tail:
             job.state.discard_speculative()
             self._pair(job, mtp_input)
         self._draft([j for j in mtp_jobs if j.mtp_tokens is not None])
+        mx.async_eval([a for job in jobs for a in job.arrays()])
+        return jobs
+
+    def conclude(self, jobs: list[TailJob]) -> list[StepResult]:
+        """Wait for the launched work (one sync for the batch), read the verdicts and chain
+        deeper drafts: the step's results."""
         mx.eval([a for job in jobs for a in job.arrays()])
         for job in jobs:
             self._conclude(job)
         self._chain([job for job in jobs if job.depth > 1])
         return [self._result(job) for job in jobs]
 
-    def _verify(self, jobs: list[_Job], normed: mx.array) -> None:
+    @staticmethod
+    def next_input(job: TailJob) -> mx.array | None:
+        """The token this job's step will emit, still on the device ([1]), where the step
+        after it is fully known once that token is: a plain sampled step (no drafts to verify,
+        none to make, no mask that the token would move). None elsewhere."""
+        step = job.step
+        plain = (
+            job.candidates is not None
+            and step.draft_len == 0
+            and not step.token_masks
+            and job.state.mtp_cache is None
+        )
+        return job.candidates.target[-1:] if plain else None
+
+    def _verify(self, jobs: list[TailJob], normed: mx.array) -> None:
         """Logits where a token is due (one matmul), then each request's candidates."""
         rows = []
         for job in jobs:
@@ -211,7 +234,7 @@ class Tail:
                 job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
             row += n
 
-    def _pair(self, job: _Job, mtp_input: mx.array) -> None:
+    def _pair(self, job: TailJob, mtp_input: mx.array) -> None:
         """The (hidden state, next token) pairs this step confirms, or may confirm."""
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
@@ -236,7 +259,7 @@ class Tail:
         if tokens.size:
             job.mtp_tokens, job.mtp_hidden = tokens, hidden
 
-    def _draft(self, jobs: list[_Job]) -> None:
+    def _draft(self, jobs: list[TailJob]) -> None:
         """Run the MTP head over every request's pairs; draft where a draft may be due."""
         if not jobs:
             return
@@ -280,7 +303,7 @@ class Tail:
             job.draft = (sample_with(q, params, uniforms[i]), q)
             job.draft_hidden = rows[i]
 
-    def _conclude(self, job: _Job) -> None:
+    def _conclude(self, job: TailJob) -> None:
         """Read the verdict (after the sync): tokens, what stays, the first draft."""
         step, state = job.step, job.state
         if job.candidates is None:
@@ -310,7 +333,7 @@ class Tail:
                 tuple(zip(t, v, strict=True)) for t, v in zip(tokens, values, strict=True)
             )
 
-    def _chain(self, jobs: list[_Job]) -> None:
+    def _chain(self, jobs: list[TailJob]) -> None:
         """Draft on from each first draft, the MTP head on its own output, all requests of the
         batch at once: link i feeds (o, d_i) at the MTP cache's next position and yields
         d_{i+1}. One sync at the end."""
@@ -345,7 +368,7 @@ class Tail:
             job.state.drafts = tuple(int(t.item()) for t in tokens[id(job)])
 
     @staticmethod
-    def _result(job: _Job) -> StepResult:
+    def _result(job: TailJob) -> StepResult:
         step = job.step
         if job.candidates is None:
             return StepResult(

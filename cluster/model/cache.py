@@ -15,6 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 LayerCache = KVCache | ArraysCache
+# A layer's state at a mark: a KV cache's offset, or a GatedDeltaNet layer's (conv, recurrent).
+LayerMark = int | tuple[mx.array | None, mx.array | None]
 
 
 def make_layer_cache(is_linear: bool) -> LayerCache:
@@ -49,6 +51,8 @@ class RequestCache:
 
     def rollback(self, drop: int) -> None:
         """Undo the last `drop` positions of the previous step: restore GDN state, trim KV."""
+        if drop == 0:
+            return
         if drop > self.last_step_len:
             raise ValueError(
                 f"rollback of {drop} positions exceeds the last step's {self.last_step_len}"
@@ -81,6 +85,25 @@ class RequestCache:
         self.last_step_len = max(self.last_step_len - drop, 0)
         self.position -= drop
 
+    def mark(self) -> CacheMark:
+        """What the caches hold now; `restore` undoes every step taken since. Costs no copy:
+        MLX arrays are immutable, a step replaces a GatedDeltaNet layer's arrays and writes
+        attention keys past the offset that the mark keeps."""
+        layers: list[LayerMark] = [
+            cache.offset if isinstance(cache, KVCache) else (cache[0], cache[1])
+            for cache in self.layers
+        ]
+        return CacheMark(self.position, self.last_step_len, dict(self.snapshots), tuple(layers))
+
+    def restore(self, mark: CacheMark) -> None:
+        for cache, held in zip(self.layers, mark.layers, strict=True):
+            if isinstance(cache, KVCache):
+                cache.trim(cache.offset - held)
+            else:
+                cache[0], cache[1] = held
+        self.position, self.last_step_len = mark.position, mark.last_step_len
+        self.snapshots = dict(mark.snapshots)
+
     def record_snapshot(self, layer: int, keep: int, conv: mx.array, state: mx.array) -> None:
         self.snapshots.setdefault(layer, {})[keep] = (conv, state)
 
@@ -104,3 +127,13 @@ class RequestCache:
             else:
                 out += [a for a in cache.cache if a is not None]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMark:
+    """A `RequestCache` at one moment (`RequestCache.mark`)."""
+
+    position: int
+    last_step_len: int
+    snapshots: dict[int, dict[int, tuple[mx.array, mx.array]]]
+    layers: tuple[LayerMark, ...]

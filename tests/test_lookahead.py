@@ -1,0 +1,152 @@
+"""Steps built ahead (`ShardRunner.lookahead`): a head-and-tail shard builds each request's
+next plain step on the token still on the device. The tokens must be those of the runner
+that builds nothing ahead, and a step built ahead and not asked for must leave no trace."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import CODE_PROMPTS, run
+from test_rollback import _assert_same_caches
+
+from cluster.decode.engine import GenerationRequest
+from cluster.decode.runner import ShardRunner
+from cluster.local import open_local_engine
+from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from cluster.model.loading import load_shard
+
+MAX_TOKENS = 40
+
+
+async def _generate(
+    model_dir,
+    requests: list[GenerationRequest],
+    *,
+    lookahead: bool,
+    mtp: bool = False,
+    concurrent: bool = False,
+):
+    """The outputs, and the (used, undone) counts of the steps built ahead."""
+    local = await open_local_engine(model_dir, mtp=mtp)
+    (runner,) = local.runners
+    runner.lookahead = lookahead
+    try:
+        if concurrent:
+            outs = await asyncio.gather(*(local.engine.generate(r) for r in requests))
+        else:
+            outs = [await local.engine.generate(r) for r in requests]
+        assert not runner.requests, "state leaked"
+        return outs, (runner.steps_ahead_used, runner.steps_ahead_undone)
+    finally:
+        local.close()
+
+
+def _requests(tokenizer, options: RequestOptions, max_tokens=MAX_TOKENS, stop=frozenset()):
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(CODE_PROMPTS)
+    return [
+        GenerationRequest(tuple(tokenizer.encode(p)), n, options, stop)
+        for p, n in zip(CODE_PROMPTS, lengths, strict=True)
+    ]
+
+
+def _same(a, b) -> None:
+    assert [o.tokens for o in a] == [o.tokens for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+
+
+def test_greedy_tokens_are_unchanged_and_steps_are_built_ahead(model_dir, tokenizer) -> None:
+    requests = _requests(tokenizer, RequestOptions(mtp=False))
+    ahead, (used, undone) = run(_generate(model_dir, requests, lookahead=True))
+    plain, counts = run(_generate(model_dir, requests, lookahead=False))
+    _same(ahead, plain)
+    assert counts == (0, 0)
+    # Every decode step came from a step built ahead (the first one on the prompt's last
+    # chunk); the one built after each request's last step was undone at its release.
+    assert used == len(requests) * (MAX_TOKENS - 1)
+    assert undone == len(requests)
+
+
+def test_sampled_tokens_and_logprobs_are_unchanged(model_dir, tokenizer) -> None:
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    options = RequestOptions(sampling, mtp=False, logprobs=True, top_logprobs=3)
+    requests = _requests(tokenizer, options)
+    ahead, (used, _) = run(_generate(model_dir, requests, lookahead=True))
+    plain, _ = run(_generate(model_dir, requests, lookahead=False))
+    _same(ahead, plain)
+    assert used > 0
+
+
+def test_concurrent_requests_that_end_apart_are_unchanged(model_dir, tokenizer) -> None:
+    """A request that stops (a stop token, its max_tokens) changes the batch: the step built
+    ahead for all of them is undone and the next batch is built as asked."""
+    stop = frozenset({tokenizer.encode("\n")[0]})
+    requests = _requests(tokenizer, RequestOptions(mtp=False), [7, 23, 41, 30], stop)
+    ahead, (used, undone) = run(_generate(model_dir, requests, lookahead=True, concurrent=True))
+    plain, _ = run(_generate(model_dir, requests, lookahead=False, concurrent=True))
+    _same(ahead, plain)
+    assert used > 0 and undone > 0
+
+
+def test_mtp_steps_are_not_built_ahead(model_dir, tokenizer) -> None:
+    """With drafts the next step depends on the verdict: nothing is built ahead."""
+    requests = _requests(tokenizer, RequestOptions(mtp=True), max_tokens=16)
+    _, counts = run(_generate(model_dir, requests, lookahead=True, mtp=True))
+    assert counts == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def shard(model_dir):
+    return load_shard(model_dir, mtp=False)
+
+
+def _prefill(runner: ShardRunner, rid: str, prompt: tuple[int, ...]):
+    options = RequestOptions(mtp=False)
+    (result,) = runner.run([StepRequest(rid, prompt, 0, options=options)]).results
+    return result
+
+
+@pytest.mark.parametrize("then", ["other_token", "rollback", "release_as_prefix", "other_batch"])
+def test_a_step_built_ahead_and_not_asked_for_leaves_no_trace(shard, tokenizer, then) -> None:
+    """Whatever comes instead of the step built ahead finds the caches of a runner that built
+    nothing ahead, and gets the same results."""
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
+    ahead, plain = ShardRunner(shard), ShardRunner(shard, lookahead=False)
+    first = _prefill(ahead, "r", prompt)
+    assert _prefill(plain, "r", prompt) == first
+    n = len(prompt)
+    step = StepRequest("r", first.tokens, n)
+    (result,) = ahead.run([step]).results
+    assert plain.run([step]).results == [result]
+    assert ahead._ahead is not None  # the step at n + 1 is on its way
+    if then == "other_token":  # e.g. a constraint that changed the token
+        other = StepRequest("r", ((result.tokens[0] + 1) % 1000,), n + 1)
+        assert ahead.run([other]).results == plain.run([other]).results
+    elif then == "rollback":  # the standalone signal (of nothing: the last step had no draft)
+        assert ahead.rollback("r", 0) == plain.rollback("r", 0) == n + 1
+    elif then == "release_as_prefix":  # the engine keeps the conversation so far
+        kept = ahead.release_as_prefix("r", 1, n + 1)
+        assert kept == plain.release_as_prefix("r", 1, n + 1) and kept[0]
+        reopened = StepRequest("s", result.tokens, n + 1, prefix_from=1)
+        assert ahead.run([reopened]).results == plain.run([reopened]).results
+    else:  # another request joins: the batch is not the one built
+        _prefill(ahead, "q", prompt[:5])
+        _prefill(plain, "q", prompt[:5])
+        both = [StepRequest("r", result.tokens, n + 1), StepRequest("q", (7,), 5)]
+        assert ahead.run(both).results == plain.run(both).results
+    ahead.settle()  # (the step after the last one is on its way)
+    for rid, state in ahead.requests.items():
+        _assert_same_caches(state.cache, plain.requests[rid].cache)
+    assert ahead.steps_ahead_undone >= 1
+
+
+def test_moe_greedy_tokens_are_unchanged(tmp_path) -> None:
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
+    options = RequestOptions(mtp=False)
+    requests = [GenerationRequest(p, 24, options) for p in [(5, 17, 300, 42, 7), (1, 2, 3, 4)]]
+    ahead, (used, _) = run(_generate(path, requests, lookahead=True, concurrent=True))
+    plain, _ = run(_generate(path, requests, lookahead=False, concurrent=True))
+    _same(ahead, plain)
+    assert used > 0
