@@ -5,17 +5,26 @@ off they compute exactly what `nn.QuantizedLinear` does. Where MLX runs on CUDA 
 itself; run there with `python -m pytest tests/test_few_row_matmul.py`): the kernel against
 a float32 reference and MLX's own kernel, each row independent of the rows beside it, and
 greedy decoding at 4 bits identical with the kernel and without, with MTP (rejected drafts
-rolled back) and without, on the bundled model and a MoE fixture.
+rolled back) and without, on the bundled model and a MoE fixture, but at a tie: the kernel
+rounds its float sums as MLX's kernel does but in another order, so where the two likeliest
+tokens are tied to the last bit (seen on the bundled model: two tokens at -1.1101 each, 25
+tokens into a code prompt), either may come, and the text goes on from the one that did.
 """
 
 from __future__ import annotations
+
+import asyncio
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from conftest import CODE_PROMPTS, run
-from test_engine import _generate_all
 
+from cluster.config import load_model_config
+from cluster.decode.engine import GenerationRequest
+from cluster.local import open_local_engine
+from cluster.messages import RequestOptions
 from cluster.model import few_row_matmul
 from cluster.model.convert import convert
 from cluster.model.few_row_matmul import (
@@ -157,18 +166,75 @@ def test_layers_take_the_kernel_for_few_rows_only() -> None:
         assert mx.array_equal(fast(x), expected), rows
 
 
+MAX_TOKENS = 64
+# Where the reference's two likeliest tokens are closer than this (in logprob), the kernel's
+# rounding may pick the other one: the kernel's outputs differ from MLX's by rounding only
+# (at most 0.76 % of a matmul's largest output, BENCHMARKS.md runs Q-T).
+TIE_NATS = 0.05
+
+
+async def _decode(path, prompts: list[list[int]], *, mtp: bool, concurrent: bool = False):
+    """Per prompt: the greedy tokens, the two likeliest (token, logprob) at each, and the
+    drafted and accepted counts."""
+    local = await open_local_engine(path, mtp=mtp)
+    options = RequestOptions(mtp=mtp, logprobs=True, top_logprobs=2)
+
+    async def one(prompt: list[int]):
+        tokens, top, chunk = [], [], None
+        async for chunk in local.engine.stream(
+            GenerationRequest(tuple(prompt), MAX_TOKENS, options)
+        ):
+            tokens += chunk.tokens
+            top += chunk.top_logprobs
+        return tokens, top, chunk.drafted, chunk.accepted
+
+    try:
+        if concurrent:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return [await one(p) for p in prompts]
+    finally:
+        local.close()
+
+
+def _assert_same_but_at_ties(outs, reference) -> None:
+    """Each run's tokens are the reference's up to a position where the reference's two
+    likeliest tokens tie (within TIE_NATS) and the run took the other; from there the texts
+    may part."""
+    for (tokens, *_), (expected, top, *_) in zip(outs, reference, strict=True):
+        parted = next(
+            (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None
+        )
+        if parted is None:
+            assert len(tokens) == len(expected)
+            continue
+        (first, lp1), (second, lp2) = top[parted]
+        assert lp1 - lp2 < TIE_NATS and tokens[parted] in (first, second), (parted, top[parted])
+
+
+def _uniform(top: tuple[tuple[int, float], ...], vocab: int) -> bool:
+    """Whether the two likeliest tokens have probability 1 / vocab each: all logits equal."""
+    (_, lp1), (_, lp2) = top
+    return lp1 == lp2 and abs(math.exp(lp1) * vocab - 1) < 1e-3
+
+
 def _assert_greedy_identical_with_the_kernel(path, prompts: list[list[int]]) -> None:
     few_row_matmul.set_enabled(False)
     try:
-        reference = run(_generate_all(path, prompts, mtp=False))
+        reference = run(_decode(path, prompts, mtp=False))
     finally:
         few_row_matmul.set_enabled(None)
+    vocab = load_model_config(path).vocab_size
+    if any(_uniform(top[0], vocab) for _, top, *_ in reference):
+        # Seen on MLX 0.32.4 CUDA with the MoE fixture: "Failed to initialize the TMA
+        # descriptor" for its tensors narrower than 16 bytes (4 experts, a 1-wide gate), and
+        # every logit of the first token equal. There is no reference to compare with.
+        pytest.xfail("MLX's own path computes no distribution on this checkpoint here")
     for mtp in (False, True):
-        outs = run(_generate_all(path, prompts, mtp=mtp))
-        assert [o.tokens for o in outs] == [o.tokens for o in reference], mtp
-    assert 0 < sum(o.accepted for o in outs) < sum(o.drafted for o in outs)  # drafts rejected
-    batched = run(_generate_all(path, prompts, mtp=True, concurrent=True))
-    assert [o.tokens for o in batched] == [o.tokens for o in reference]
+        outs = run(_decode(path, prompts, mtp=mtp))
+        _assert_same_but_at_ties(outs, reference)
+    drafted, accepted = sum(o[2] for o in outs), sum(o[3] for o in outs)
+    assert 0 < accepted < drafted  # drafts rejected, and rolled back
+    _assert_same_but_at_ties(run(_decode(path, prompts, mtp=True, concurrent=True)), reference)
 
 
 @on_cuda
