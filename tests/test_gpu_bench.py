@@ -13,18 +13,24 @@ from pathlib import Path
 RUN_TIMEOUT_S = 300
 
 
-def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
+def _tiny_run(tmp_path: Path, *args: str) -> tuple[str, dict]:
+    """gpu_bench on the tiny shape with `args`: its output and its JSON report."""
     out = tmp_path / "gpu.json"
     done = subprocess.run(
         [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
-         "--dir", str(tmp_path / "ckpt"), "--json", str(out),
-         "--skip", "pipeline,nodes,mlx_lm", "--variants", "fused",
-         "--tokens", "8", "--repeats", "1", "--concurrent", "2", "--alphas", "0.7",
-         "--mtp-depths", "2", "--step-iters", "2", "--step-warmup", "1", "--prompt-len", "16"],
+         "--dir", str(tmp_path / "ckpt"), "--json", str(out), "--prompt-len", "16", *args],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return done.stdout, json.loads(out.read_text())
+
+
+def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
+    stdout, report = _tiny_run(
+        tmp_path, "--skip", "pipeline,nodes,mlx_lm", "--variants", "fused", "--tokens", "8",
+        "--repeats", "1", "--concurrent", "2", "--alphas", "0.7", "--mtp-depths", "2",
+        "--step-iters", "2", "--step-warmup", "1",
+    )  # fmt: skip
     single = report["single"]
     assert list(single["variants"]) == ["fused"]
     for row in single["variants"].values():
@@ -32,44 +38,34 @@ def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
         for decode in (row["mtp_off"], row["mtp_on"]["0.7"], row["mtp_depths"]["2"]):
             assert decode["tokens"] == [8] and decode["engine_over_steps"] > 0
     assert single["concurrent"]["requests"] == 2 and single["concurrent_compiled"]["runs"]
-    assert "engine, 1 process: MTP off" in done.stdout and "its own steps" in done.stdout
+    assert "engine, 1 process: MTP off" in stdout and "its own steps" in stdout
 
 
 def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     """The paired phase: one process, mlx-lm and 2 node processes loaded at once, one round,
     then concurrent requests over the nodes micro-batched and in one batch."""
-    out = tmp_path / "gpu.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
-         "--dir", str(tmp_path / "ckpt"), "--json", str(out),
-         "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1", "--paired-nodes", "2",
-         "--tokens", "8", "--concurrent", "2", "--prompt-len", "16"],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    stdout, report = _tiny_run(
+        tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1",
+        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2",
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    paired = json.loads(out.read_text())["paired"]
+    paired = report["paired"]
     assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
     assert all(value > 0 for value in paired["ratios"].values())
     assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
     runs = paired["concurrent"]["nodes_runs_over_one_request"]
     assert [len(runs["micro_batched"]), len(runs["one_batch"])] == [2, 2]
-    assert "side by side, median of 1 rounds' ratios" in done.stdout
+    assert "side by side, median of 1 rounds' ratios" in stdout
 
 
 def test_tiny_side_by_side_phase_without_nodes(tmp_path: Path) -> None:
     """`--paired-nodes 0` (a host with one GPU): one process with and without steps built
     ahead, and mlx-lm, round by round."""
-    out = tmp_path / "gpu.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
-         "--dir", str(tmp_path / "ckpt"), "--json", str(out),
-         "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "2", "--paired-nodes", "0",
-         "--tokens", "8", "--concurrent", "0", "--prompt-len", "16"],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    stdout, report = _tiny_run(
+        tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "2",
+        "--paired-nodes", "0", "--tokens", "8", "--concurrent", "0",
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    paired = json.loads(out.read_text())["paired"]
+    paired = report["paired"]
     assert len(paired["rounds"]) == 2 and paired["node_step_over_share"] == []
     assert not any(key.startswith("nodes") for key in paired["ratios"])
     assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
-    assert "steps built ahead: MTP off" in done.stdout
+    assert "steps built ahead: MTP off" in stdout
