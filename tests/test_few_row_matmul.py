@@ -7,7 +7,7 @@ a float32 reference and MLX's own kernel, each row independent of the rows besid
 greedy decoding at 4 bits identical with the kernel and without, with MTP (rejected drafts
 rolled back) and without, on the bundled model and a MoE fixture, but at a tie: the kernel
 rounds its float sums as MLX's kernel does but in another order, so where the two likeliest
-tokens are tied to the last bit (seen on the bundled model: two tokens at -1.1101 each, 25
+tokens are tied or nearly (seen on the bundled model: two tokens at -1.1101 each, 25
 tokens into a code prompt), either may come, and the text goes on from the one that did.
 """
 

@@ -1103,10 +1103,12 @@ async def _paired_round(
     cost = runner.step_cost
     # MTP off without steps built ahead (`ShardRunner.lookahead`): each step's own time,
     # which the node steps are set against, and what building ahead buys.
-    runner.lookahead = False
+    lookahead, runner.lookahead = runner.lookahead, False
     seconds, batches = cost.total_seconds, cost.total_batches
-    off = await engine_decode(local, prompt, args.tokens, 1, False)
-    runner.lookahead = True
+    try:
+        off = await engine_decode(local, prompt, args.tokens, 1, False)
+    finally:
+        runner.lookahead = lookahead
     row["local_off_no_lookahead"] = off["median_tps"]
     row["local_step_ms"] = (cost.total_seconds - seconds) / (cost.total_batches - batches) * 1e3
     row["local_engine_over_steps_no_lookahead"] = off["engine_over_steps"]
