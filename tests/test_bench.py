@@ -139,3 +139,20 @@ def test_bad_input_is_a_clear_message(args: list[str], message: str) -> None:
     assert done.exit_code != 0
     assert message in done.output
     assert isinstance(done.exception, SystemExit)  # click's exit, not an uncaught error
+
+
+def test_step_profile_times_the_layers_and_the_tail(tmp_path: Path) -> None:
+    """The developer profile of one decode step (`cluster.bench.step_profile`) on the bundled
+    model: every kind of step reports its layers and its tail (`Tail.launch` + `conclude`)."""
+    from cluster.bench import step_profile
+
+    out = tmp_path / "profile.json"
+    assert step_profile.main(["--iters", "1", "--batch", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["requests"], r["mtp"]) for r in rows} == {
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    }
+    assert all(r["layers_ms"] > 0 and r["tail_ms"] > 0 and r["step_ms"] > 0 for r in rows)

@@ -5,10 +5,10 @@
 
 A bare whole-model `ShardRunner` steps live requests by hand (sampled, temperature 0.7), for
 4 kinds interleaved call by call: 1 request and --batch requests, MTP off and on. For each
-step it times the whole `ShardRunner.run`, the decoder layers (evaluated on their own,
-which adds one sync the real step does not have) and the tail's `finish` (lm_head,
-sampling, verification, the MTP head and its draft). Medians, in ms and relative to one
-request without MTP. `--compiled-batches` adds the batch kinds again with their
+step it times the whole `ShardRunner.run` (nothing built ahead), the decoder layers (evaluated
+on their own, which adds one sync the real step does not have) and the tail's `launch` and
+`conclude` (lm_head, sampling, verification, the MTP head and its draft). Medians, in ms and
+relative to one request without MTP. `--compiled-batches` adds the batch kinds again with their
 GatedDeltaNet recurrence compiled (`cluster.model.compiled.batches_enabled`), interleaved
 with the rest, to decide that switch by measurement on each backend.
 """
@@ -55,11 +55,13 @@ class _TimedShard:
         return getattr(self._shard, name)
 
 
-def _timed_finish(finish, times: dict[str, float]):
+def _timed_tail(part, times: dict[str, float]):
+    """A part of the tail's work (`Tail.launch`, `Tail.conclude`), its time added to "tail"."""
+
     def timed(*args):
         t0 = time.perf_counter()
-        out = finish(*args)
-        times["tail"] = time.perf_counter() - t0
+        out = part(*args)
+        times["tail"] = times.get("tail", 0.0) + time.perf_counter() - t0
         return out
 
     return timed
@@ -71,11 +73,13 @@ def profile(model_dir: Path, batch: int, iters: int, compiled_batches: bool = Fa
             model_dir,
             ShardSpec.whole(load_model_config(model_dir).num_layers),
             for_decoding=True,
-        )
+        ),
+        lookahead=False,  # each step's own time, its tail not overlapped with the next step
     )
     parts: dict[str, float] = {}
     runner.shard = _TimedShard(runner.shard, parts)
-    runner.tail.finish = _timed_finish(runner.tail.finish, parts)
+    runner.tail.launch = _timed_tail(runner.tail.launch, parts)
+    runner.tail.conclude = _timed_tail(runner.tail.conclude, parts)
     ids = tuple(load_tokenizer(model_dir).encode(TEXT_PROMPTS[0]))
     # dict.fromkeys: --batch 1 names the one-request kinds once (each kind is its own requests)
     plans = list(dict.fromkeys((size, mtp, False) for size in (1, batch) for mtp in (False, True)))
