@@ -24,12 +24,20 @@ VOCAB = 8192  # the bundled model's, and the fixtures'
 
 class ForcedRejections:
     def __init__(
-        self, inner: Pipeline, oracle: dict[str, tuple[int, ...]], *, keep_state: bool = False
+        self,
+        inner: Pipeline,
+        oracle: dict[str, tuple[int, ...]],
+        *,
+        keep_state: bool = False,
+        stagger: bool = False,
     ):
-        """`oracle`: request id -> prompt + greedy output without MTP (tokens by position)."""
+        """`oracle`: request id -> prompt + greedy output without MTP (tokens by position).
+        `stagger`: the n-th request seen starts its cycle n places on, so that requests
+        decoding in one batch reject at different positions in each step."""
         self.inner = inner
         self.oracle = oracle
         self.keep_state = keep_state
+        self.stagger = stagger
         self.forced: Counter[tuple[int, int]] = Counter()  # (drafts, rejected at; k+1: none)
         self.last: dict[str, tuple[StepRequest, StepResult]] = {}
         self.held: list[str] = []  # the run ids whose release was held back
@@ -59,6 +67,8 @@ class ForcedRejections:
             return step
         assert step.tokens[0] == sequence[p], "the run left the oracle's path"
         drafts = list(sequence[p + 1 : p + 1 + k])
+        if self.stagger and step.request_id not in self._cycle:
+            self._cycle[step.request_id] = len(self._cycle)
         reject_at = self._cycle[step.request_id] % (k + 1) + 1
         self._cycle[step.request_id] += 1
         if reject_at <= k:

@@ -100,23 +100,27 @@ def test_padding_is_for_short_dense_steps(fast_path) -> None:
 def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
     fast = {mtp: run(_generate_all(model_dir, prompts, mtp=mtp)) for mtp in (False, True)}
-    # Batched: the plain ops, then the recurrence compiled per batch shape.
+    # Batched: whole compiled layers (one trace for every layer), then the plain ops, then
+    # the recurrence alone compiled per batch shape.
     fast["batched"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
-    compiled.set_batches_enabled(True)
+    compiled.set_layers_enabled(False)
     try:
-        fast["batched, compiled"] = run(
+        fast["batched, plain"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
+        compiled.set_batches_enabled(True)
+        fast["batched, compiled recurrence"] = run(
             _generate_all(model_dir, prompts, mtp=True, concurrent=True)
         )
     finally:
         compiled.set_batches_enabled(None)
+        compiled.set_layers_enabled(None)
     _set_fast_path(False)
     reference = run(_generate_all(model_dir, prompts, mtp=False))
     _set_fast_path(True)
     for outs in fast.values():
         assert [o.tokens for o in outs] == [o.tokens for o in reference]
     assert 0 < sum(o.accepted for o in fast[True]) < sum(o.drafted for o in fast[True])
-    assert sum(o.drafted for o in fast["batched"]) > 0
-    assert sum(o.drafted for o in fast["batched, compiled"]) > 0
+    for kind in ("batched", "batched, plain", "batched, compiled recurrence"):
+        assert sum(o.drafted for o in fast[kind]) > 0
 
     # A rejected draft on the compiled path leaves the caches as if never seen.
     shard = load_shard(model_dir, for_decoding=True)

@@ -18,9 +18,9 @@ import pytest
 from checkpoints import make_checkpoint
 from conftest import CODE_PROMPTS, run
 from forced_rejections import ForcedRejections
-from mlx_lm.models.cache import KVCache
 from nodes import NodeGroup, node_infos, remote_engine
 from scipy.stats import chisquare
+from test_rollback import _assert_same_caches
 from test_sampling import _homogeneity_pvalue
 
 from cluster.decode import verify
@@ -100,34 +100,30 @@ def moe(tmp_path_factory):
     model.local.close()
 
 
-def _layer_arrays(cache) -> list[np.ndarray]:
-    if isinstance(cache, KVCache):
-        keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
-        return [np.array(keys.astype(mx.float32)), np.array(values.astype(mx.float32))]
-    return [np.array(a.astype(mx.float32)) for a in cache.cache]
-
-
-def _assert_same_caches(a, b) -> None:
-    assert a.position == b.position
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        for x, y in zip(_layer_arrays(la), _layer_arrays(lb), strict=True):
-            np.testing.assert_array_equal(x, y)
-
-
 def _assert_forced_everywhere(forced: Counter, depth: int) -> None:
     """A rejection at every draft position of a k-draft step, and steps with none."""
     assert all(forced[(depth, at)] > 0 for at in range(1, depth + 2)), forced
 
 
+@pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "concurrent"])
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("which", ["bundled", "moe"])
-def test_greedy_identity_and_caches_in_one_process(which: str, depth: int, request) -> None:
+def test_greedy_identity_and_caches_in_one_process(
+    which: str, depth: int, concurrent: bool, request
+) -> None:
+    """Concurrent: the requests decode in one batch and reject at different positions, so each
+    step's recurrent states are merged from the batch's and its snapshots' rows
+    (`cluster.model.cache.stack_rows`); tokens and caches still match the runs alone."""
     model: _Model = request.getfixturevalue(which)
     local = model.local
-    forced = ForcedRejections(local.engine.pipeline, model.oracle, keep_state=True)
+    forced = ForcedRejections(
+        local.engine.pipeline, model.oracle, keep_state=True, stagger=concurrent
+    )
 
     async def go():
         engine = GenerationEngine(forced)
+        if concurrent:
+            return await asyncio.gather(*(engine.generate(r) for r in model.requests(depth)))
         return [await engine.generate(r) for r in model.requests(depth)]
 
     outputs = run(go())

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 from cluster.decode.runner import ShardRunner
 from cluster.messages import RequestError, StepRequest
+from cluster.model.cache import own
 from cluster.model.loading import load_shard
 
 
@@ -23,7 +24,7 @@ def _layer_arrays(cache) -> list[np.ndarray]:
     if isinstance(cache, KVCache):
         keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
         return [np.array(keys.astype(mx.float32)), np.array(values.astype(mx.float32))]
-    return [np.array(a.astype(mx.float32)) for a in cache.cache]
+    return [np.array(own(a).astype(mx.float32)) for a in cache.cache]
 
 
 def _assert_same_caches(a, b) -> None:

@@ -1147,10 +1147,14 @@ async def _paired_concurrency(
     out: dict[str, Any] = {"requests": args.concurrent}
     with _oracle(0.7):
         await concurrent_decode(local, prompt, WARM_BATCH_TOKENS, args.concurrent)
-        out["one_process"] = [
-            (await concurrent_decode(local, prompt, args.tokens, args.concurrent))["aggregate_tps"]
-            for _ in range(2)
-        ]
+        out["one_process"], over_one = [], []
+        for _ in range(2):  # each batch against one request decoded just before it
+            one = await engine_decode(local, prompt, args.tokens, 1, True)
+            batch = await concurrent_decode(local, prompt, args.tokens, args.concurrent)
+            out["one_process"].append(batch["aggregate_tps"])
+            over_one.append(batch["aggregate_tps"] / one["median_tps"])
+        out["one_process_over_one_request"] = median(over_one)
+        out["one_process_runs_over_one_request"] = over_one
     if not addresses:
         return out
     settings = {"micro_batched": None, "one_batch": 1}
@@ -1579,9 +1583,13 @@ def summarize(report: dict) -> None:
                 f"{_fmt(paired_out['node_step_over_share'])}"
             )
         if c := paired_out.get("concurrent"):
+            s["paired"]["concurrent_one_process_over_one_request"] = c[
+                "one_process_over_one_request"
+            ]
             lines.append(
                 f"  {c['requests']} concurrent MTP on in one process: "
-                f"{median(c['one_process']):.1f} tok/s"
+                f"{median(c['one_process']):.1f} tok/s, "
+                f"{c['one_process_over_one_request']:.2f}x one request"
             )
         if c and (over := c.get("nodes_over_one_request")):
             s["paired"]["concurrent_over_one_request"] = over

@@ -52,7 +52,7 @@ class CacheSnapshot:
         if not 0 <= positions <= cache.position:
             raise ValueError(f"a snapshot at {positions} of caches at {cache.position}")
         arrays: list[tuple[mx.array, mx.array] | None] = []
-        for layer in cache.layers:
+        for index, layer in enumerate(cache.layers):
             if isinstance(layer, KVCache):
                 if positions == 0 or layer.keys is None:
                     arrays.append(None)
@@ -64,7 +64,7 @@ class CacheSnapshot:
                     )
                 )
             else:
-                arrays.append((layer[0], layer[1]))
+                arrays.append(cache.linear_state(index))
         snapshot = cls(positions, linear, tuple(arrays))
         mx.eval([a for pair in arrays if pair is not None for a in pair])
         return snapshot

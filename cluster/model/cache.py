@@ -5,18 +5,93 @@ A GatedDeltaNet layer keeps mlx-lm's `ArraysCache` (conv state, recurrent state)
 folds every position in, so it cannot be trimmed; instead, while a step carries drafts, the
 layer records its state after each confirmed prefix (`record_snapshot`) and a rejection
 restores the one at the kept length. Snapshots live only until the next step of the request.
+
+A batch step computes the GatedDeltaNet states of all its requests as one `[B, ...]` array.
+Each request keeps its row of it as a `BatchRow`, not sliced out: the batch's next step, when it
+holds the same requests in the same order, takes the batch's array as it is (`stack_rows`), so a
+steady batch pays no per-request gather and scatter in each layer and step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """Row `row` of a state that a batch step computed for all its requests at once."""
+
+    batch: mx.array
+    row: int
+
+    def array(self) -> mx.array:
+        return self.batch[self.row : self.row + 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.batch.nbytes // self.batch.shape[0]
+
+
+# A GatedDeltaNet layer's conv or recurrent state: its own [1, ...] array or a batch's row.
+RowState = mx.array | BatchRow
 LayerCache = KVCache | ArraysCache
 # A layer's state at a mark: a KV cache's offset, or a GatedDeltaNet layer's (conv, recurrent).
-LayerMark = int | tuple[mx.array | None, mx.array | None]
+LayerMark = int | tuple[RowState | None, RowState | None]
+
+
+def own(state: RowState) -> mx.array:
+    """The request's state as an array of its own ([1, ...])."""
+    return state.array() if isinstance(state, BatchRow) else state
+
+
+def batch_rows(batch: mx.array) -> list[RowState]:
+    """Each request's share of a batch step's state `batch` ([B, ...]), not sliced out."""
+    if batch.shape[0] == 1:
+        return [batch]
+    return [BatchRow(batch, row) for row in range(batch.shape[0])]
+
+
+def stack_rows(states: list[RowState | None], shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Requests' states stacked along the batch axis (zeros for a request's first step).
+
+    Where request i holds row i of batch arrays that all have one row per request, the stack
+    is those arrays themselves: one of them as it is (a batch that steps again unchanged), or
+    merged row by row with `mx.where` (a batch some of whose requests restored a snapshot
+    after a rejected draft). Anything else is gathered and concatenated.
+    """
+    size = len(states)
+    if size == 1:
+        return mx.zeros(shape, dtype=dtype) if states[0] is None else own(states[0])
+    sources: dict[int, mx.array] = {}
+    if all(
+        isinstance(s, BatchRow) and s.row == i and s.batch.shape[0] == size
+        for i, s in enumerate(states)
+    ):
+        rows_of: dict[int, list[bool]] = {}
+        for i, s in enumerate(states):
+            sources.setdefault(id(s.batch), s.batch)
+            rows_of.setdefault(id(s.batch), [False] * size)[i] = True
+        if len(sources) <= MAX_MERGED_SOURCES:
+            ids = sorted(sources, key=lambda k: -sum(rows_of[k]))  # the most rows first
+            merged = sources[ids[0]]
+            for key in ids[1:]:
+                merged = mx.where(_row_mask(tuple(rows_of[key]), merged.ndim), sources[key], merged)
+            return merged
+    filled = [mx.zeros(shape, dtype=dtype) if s is None else own(s) for s in states]
+    return mx.concatenate(filled, axis=0)
+
+
+MAX_MERGED_SOURCES = 4  # beyond this many sources, gathering rows costs fewer ops than merging
+
+
+@functools.lru_cache(maxsize=256)
+def _row_mask(rows: tuple[bool, ...], ndim: int) -> mx.array:
+    """A [B, 1, ...] mask of `rows`, made once: the same pattern recurs in every layer."""
+    return mx.array(rows).reshape(len(rows), *([1] * (ndim - 1)))
 
 
 def make_layer_cache(is_linear: bool) -> LayerCache:
@@ -104,8 +179,13 @@ class RequestCache:
         self.position, self.last_step_len = mark.position, mark.last_step_len
         self.snapshots = dict(mark.snapshots)
 
-    def record_snapshot(self, layer: int, keep: int, conv: mx.array, state: mx.array) -> None:
+    def record_snapshot(self, layer: int, keep: int, conv: RowState, state: RowState) -> None:
         self.snapshots.setdefault(layer, {})[keep] = (conv, state)
+
+    def linear_state(self, layer: int) -> tuple[mx.array | None, mx.array | None]:
+        """A GatedDeltaNet layer's (conv, recurrent) state as arrays of the request's own."""
+        cache = self.layers[layer]
+        return tuple(None if s is None else own(s) for s in (cache[0], cache[1]))
 
     @property
     def nbytes(self) -> int:
@@ -118,14 +198,16 @@ class RequestCache:
         return total
 
     def arrays(self) -> list[mx.array]:
-        """Every array the caches hold (to evaluate them together)."""
+        """Every array the caches hold (to evaluate them together): for a batch's row, the
+        batch's array."""
         out: list[mx.array] = []
         for cache in self.layers:
             if isinstance(cache, KVCache):
                 if cache.keys is not None:
                     out += [cache.keys, cache.values]
             else:
-                out += [a for a in cache.cache if a is not None]
+                held = [a for a in cache.cache if a is not None]
+                out += [a.batch if isinstance(a, BatchRow) else a for a in held]
         return out
 
 

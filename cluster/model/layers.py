@@ -30,7 +30,7 @@ from mlx_lm.models.gated_delta import (
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
 from cluster.model import compiled, few_row_matmul
-from cluster.model.cache import RequestCache
+from cluster.model.cache import RequestCache, batch_rows, stack_rows
 from cluster.model.row_padding import pad_rows
 
 
@@ -126,25 +126,25 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         """The segments' conv and recurrent states, stacked along the batch axis."""
         caches = [seg.cache.layers[slot] for seg in segs]
         n_keep = self.conv_kernel_size - 1
-        conv_state = _stack_states([c[0] for c in caches], (1, n_keep, self.conv_dim), dtype)
+        conv_state = stack_rows([c[0] for c in caches], (1, n_keep, self.conv_dim), dtype)
         state_shape = (1, self.num_v_heads, self.head_v_dim, self.head_k_dim)
-        return conv_state, _stack_states([c[1] for c in caches], state_shape, mx.float32)
+        return conv_state, stack_rows([c[1] for c in caches], state_shape, mx.float32)
 
     @staticmethod
     def store(
         segs: list[Segment], slot: int, snapshot_at: tuple[int, ...], states: list[mx.array]
     ) -> None:
-        """`gdn_core`'s new states (conv, recurrent, then the snapshots) into the caches."""
+        """`gdn_core`'s new states (conv, recurrent, then the snapshots) into the caches, each
+        request's as its row of the batch's arrays (`cluster.model.cache.BatchRow`)."""
         conv, state, *snapshots = states
         n_snap = len(snapshot_at)
         for i, keep in enumerate(snapshot_at):
-            snap_conv, after = snapshots[i], snapshots[n_snap + i]
-            for row, seg in enumerate(segs):
-                seg.cache.record_snapshot(slot, keep, _row(snap_conv, row), _row(after, row))
-        for row, seg in enumerate(segs):
+            snap_convs, afters = batch_rows(snapshots[i]), batch_rows(snapshots[n_snap + i])
+            for seg, snap_conv, after in zip(segs, snap_convs, afters, strict=True):
+                seg.cache.record_snapshot(slot, keep, snap_conv, after)
+        for seg, conv_row, state_row in zip(segs, batch_rows(conv), batch_rows(state), strict=True):
             cache = seg.cache.layers[slot]
-            cache[0] = _row(conv, row)
-            cache[1] = _row(state, row)
+            cache[0], cache[1] = conv_row, state_row
 
 
 def gdn_core(
@@ -257,18 +257,6 @@ def _stack(x: mx.array, segments: list[Segment], members: list[int]) -> mx.array
     return mx.concatenate([x[:, starts[i] : starts[i] + length] for i in members], axis=0)
 
 
-def _stack_states(
-    states: list[mx.array | None], shape: tuple[int, ...], dtype: mx.Dtype
-) -> mx.array:
-    """Per-request states stacked along the batch axis (zeros for a request's first step)."""
-    filled = [s if s is not None else mx.zeros(shape, dtype=dtype) for s in states]
-    return filled[0] if len(filled) == 1 else mx.concatenate(filled, axis=0)
-
-
-def _row(x: mx.array, row: int) -> mx.array:
-    return x if x.shape[0] == 1 else x[row : row + 1]
-
-
 class PackedAttention(Attention):
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:
         rows, length = x.shape[1], _length(segments)  # rows > length: padded (row_padding)
@@ -281,15 +269,42 @@ class PackedAttention(Attention):
         keys = self.k_norm(k.reshape(1, length, self.num_key_value_heads, -1))
         values = v.reshape(1, length, self.num_key_value_heads, -1)
         queries = self.q_norm(queries)
-        parts = zip(
-            _split(queries, segments),
-            _split(keys, segments),
-            _split(values, segments),
-            strict=True,
-        )
-        mixed = [self._attend(*p, seg, slot) for p, seg in zip(parts, segments, strict=True)]
-        out = _join(mixed) * mx.sigmoid(gate.reshape(1, length, -1))
+        if len(segments) > 1 and len({seg.length for seg in segments}) == 1:
+            mixed = self._attend_batch(queries, keys, values, segments, slot)
+        else:
+            parts = zip(
+                _split(queries, segments),
+                _split(keys, segments),
+                _split(values, segments),
+                segments,
+                strict=True,
+            )
+            mixed = _join([self._attend(q, k, v, seg, slot) for q, k, v, seg in parts])
+        out = mixed * mx.sigmoid(gate.reshape(1, length, -1))
         return self.o_proj(pad_rows(out, rows))
+
+    def _attend_batch(
+        self, q: mx.array, k: mx.array, v: mx.array, segments: list[Segment], slot: int
+    ) -> mx.array:
+        """`_attend` for requests whose steps have one length (every decode step, typically):
+        the layout and the rotary embedding run once for the batch, each row at its own
+        offset; only the cache write and the attention over it stay per request."""
+        batch, length = len(segments), segments[0].length
+        q, k, v = (t.reshape(batch, length, *t.shape[2:]).transpose(0, 2, 1, 3) for t in (q, k, v))
+        caches = [seg.cache.layers[slot] for seg in segments]
+        offsets = _offsets(tuple(cache.offset for cache in caches))
+        q, k = self.rope(q, offset=offsets), self.rope(k, offset=offsets)
+        mask = "causal" if length > 1 else None
+        outs = []
+        for row, cache in enumerate(caches):
+            keys, values = cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
+            outs.append(
+                scaled_dot_product_attention(
+                    q[row : row + 1], keys, values, cache=cache, scale=self.scale, mask=mask
+                )
+            )
+        out = mx.concatenate(outs, axis=0).transpose(0, 2, 1, 3)
+        return out.reshape(1, batch * length, -1)
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, slot: int) -> mx.array:
         cache = seg.cache.layers[slot]
@@ -300,6 +315,12 @@ class PackedAttention(Attention):
         mask = "causal" if seg.length > 1 else None
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(1, seg.length, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets(offsets: tuple[int, ...]) -> mx.array:
+    """A batch's cache offsets as an array, made once per step for all its attention layers."""
+    return mx.array(offsets)
 
 
 class PackedDecoderLayer(DecoderLayer):
@@ -314,33 +335,74 @@ class PackedDecoderLayer(DecoderLayer):
             self.self_attn = PackedAttention(args)
 
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
-        # One request's decode step: one compiled call. Not for batches: each layer would trace
-        # its own graph per batch size, and batch sizes come and go with the requests.
-        if self.is_linear and len(segments) == 1 and compiled.layers_enabled(segments[0].length):
-            seg = segments[0]
-            return self._compiled_linear_step(x, segments, slot, seg.length, seg.n_confirmed)
+        # A decode step of one request, or of a batch whose requests' steps share one shape:
+        # one compiled call.
+        if self.is_linear and (shape := _one_shape(segments)) and compiled.layers_enabled(shape[0]):
+            return self._compiled_linear_step(x, segments, slot, *shape)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), segments, slot)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def share_compiled_steps(self, steps: dict) -> None:
+        """Keep the compiled steps' traces in `steps`, one dict for all of a shard's layers."""
+        self.__dict__["_compiled_steps"] = steps
 
     def _compiled_linear_step(
         self, x: mx.array, segments: list[Segment], slot: int, length: int, n_confirmed: int
     ) -> mx.array:
         """The whole GatedDeltaNet layer as one compiled call (`cluster.model.compiled`): a
-        graph traced once per shape, replayed in C++ with its elementwise chains fused. The
-        layer's weights are constants of its own trace."""
+        graph replayed in C++ with its elementwise chains fused. The layer's weights are inputs
+        of the trace, so every layer of a shard replays one trace per (requests, positions)
+        shape, and a batch size seen for the first time costs one trace, not one per layer."""
         gdn = self.linear_attn
         conv_state, state = gdn.states(segments, slot, x.dtype)
         snapshot_at = tuple(range(n_confirmed, length))
         steps = self.__dict__.setdefault("_compiled_steps", {})
-        key = (length, snapshot_at, few_row_matmul.enabled())  # the kernel is traced in or not
+        rows = len(segments) * length
+        key = (rows, snapshot_at, few_row_matmul.enabled())  # the kernel is traced in or not
         if (step := steps.get(key)) is None:
             step = steps[key] = mx.compile(
-                functools.partial(_linear_layer_step, self, length=length, snapshot_at=snapshot_at)
+                functools.partial(_traced_linear_step, self, length=rows, snapshot_at=snapshot_at)
             )
-        h, *new_states = step(x, conv_state, state)
+        # Read once: a shard's weights do not change once it steps.
+        params = self.__dict__.get("_params") or self.__dict__.setdefault(
+            "_params", self.parameters()
+        )
+        h, *new_states = step(params, x, conv_state, state)
         gdn.store(segments, slot, snapshot_at, new_states)
         return h
+
+
+def _one_shape(segments: list[Segment]) -> tuple[int, int] | None:
+    """The (positions, confirmed) that every segment's step has, or None."""
+    first = segments[0]
+    shape = (first.length, first.n_confirmed)
+    if all((seg.length, seg.n_confirmed) == shape for seg in segments):
+        return shape
+    return None
+
+
+def _traced_linear_step(
+    template: PackedDecoderLayer,
+    params: dict,
+    x: mx.array,
+    conv_state: mx.array,
+    state: mx.array,
+    *,
+    length: int,
+    snapshot_at: tuple[int, ...],
+) -> list[mx.array]:
+    """`_linear_layer_step` of the layer whose parameters are `params`, run through `template`
+    (a layer of the same shard): traced, `params` are the trace's inputs, so the trace holds
+    no layer's weights and serves them all. The template gets its own parameters back."""
+    held = template.parameters()
+    template.update(params)
+    try:
+        return _linear_layer_step(
+            template, x, conv_state, state, length=length, snapshot_at=snapshot_at
+        )
+    finally:
+        template.update(held)
 
 
 def _linear_layer_step(
