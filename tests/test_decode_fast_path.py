@@ -25,6 +25,14 @@ from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
 
+# Bitwise identity with the plain ops is the CPU backend's: MLX CUDA picks its matmul kernels
+# by row count, so padded or batched rows round differently there (6 of these tests failed on
+# an H100 alike before and after the batch-row change, BENCHMARKS.md run Z). On CUDA,
+# tests/test_few_row_matmul.py checks the greedy text up to ties instead.
+pytestmark = pytest.mark.skipif(
+    mx.cuda.is_available(), reason="bitwise identity across row counts holds on the CPU only"
+)
+
 
 def _set_fast_path(on: bool | None, *, pad_from: int = 2) -> None:
     compiled.set_enabled(on)

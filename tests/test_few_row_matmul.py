@@ -223,7 +223,7 @@ def _assert_greedy_identical_with_the_kernel(path, prompts: list[list[int]]) -> 
         reference = run(_decode(path, prompts, mtp=False))
     finally:
         few_row_matmul.set_enabled(None)
-    vocab = load_model_config(path).vocab_size
+    vocab = load_model_config(path).text.vocab_size
     if any(_uniform(top[0], vocab) for _, top, *_ in reference):
         # Seen on MLX 0.32.4 CUDA with the MoE fixture: "Failed to initialize the TMA
         # descriptor" for tensors with rows of 4 bf16 values (8 bytes; its router has 4

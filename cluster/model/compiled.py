@@ -6,9 +6,10 @@ GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal has mlx-lm's fused 
 30 small ops per layer and position. Compiled, a layer's step is one call that replays a traced
 graph in C++ with its elementwise chains fused into a few kernels. A compiled function is
 traced once per input shape, so only steps of a few positions (decode, verify) take this path:
-one request's whole GatedDeltaNet layer (`layers_enabled`), or a batch's recurrence, one trace
-per (requests, positions) shape shared by every layer (`batches_enabled`). A prefill chunk runs
-the plain ops.
+the whole GatedDeltaNet layer of one request or of a batch whose requests' steps share a shape
+(`layers_enabled`; the layer's weights are inputs of the trace, so one trace per (rows,
+drafts) shape serves every layer of a shard), or, for a batch of mixed shapes, each group's
+recurrence alone (`batches_enabled`). A prefill chunk runs the plain ops.
 
 Whether it is on is decided per backend (`enabled`): on for CUDA, where it took the 27B-shape
 backbone's one-token graph build from 17.2 to 15.1 ms (BENCHMARKS.md, issue 10); off on Metal

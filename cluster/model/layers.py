@@ -3,8 +3,11 @@
 A step on a node may carry several requests at once (continuous batching). Their positions
 are packed along the sequence axis into one `[1, L, hidden]` tensor: the projections, norms
 and MLP run once over all of them (that is where the weights are read, so that is what
-batching saves), while the token mixers (GatedDeltaNet recurrence, attention over the KV
-cache) run per request on its own slice with its own cache.
+batching saves). The token mixers keep one cache per request. Requests whose steps have the
+same shape (every decode step, typically) run their GatedDeltaNet recurrence as one batch, the
+states stacked along the batch axis and left there for the next step (`BatchRow`), and their
+attention's rotary embedding as one op; only the attention over each request's KV cache runs
+per request.
 
 The modules extend mlx-lm's `qwen3_5` classes, so parameters, weight names and quantization
 are exactly mlx-lm's; only the call changes. The GatedDeltaNet call adds the `n_confirmed`

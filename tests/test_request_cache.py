@@ -1,0 +1,60 @@
+"""A request's GatedDeltaNet state kept as its row of a batch step's arrays (`BatchRow`), and
+the stacking of those rows for the next batch step (`stack_rows`)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from cluster.model.cache import BatchRow, RequestCache, batch_rows, own, stack_rows
+
+SHAPE = (1, 3, 4)
+
+
+def _batch(seed: int, size: int = 3) -> mx.array:
+    return mx.random.normal((size, *SHAPE[1:]), key=mx.random.key(seed))
+
+
+def test_a_batch_that_steps_again_unchanged_takes_its_array_as_it_is() -> None:
+    batch = _batch(0)
+    assert stack_rows(batch_rows(batch), SHAPE, mx.float32) is batch
+
+
+def test_rows_of_several_batches_are_merged_row_by_row() -> None:
+    """After a rejected draft some requests hold a snapshot's row, the others the step's."""
+    final, snap_1, snap_2 = _batch(0), _batch(1), _batch(2)
+    rows = [BatchRow(snap_1, 0), BatchRow(final, 1), BatchRow(snap_2, 2)]
+    expected = mx.concatenate([snap_1[0:1], final[1:2], snap_2[2:3]])
+    assert mx.array_equal(stack_rows(rows, SHAPE, mx.float32), expected)
+
+
+def test_rows_out_of_place_or_mixed_with_arrays_are_gathered() -> None:
+    batch, alone, pair = _batch(0), _batch(5, size=1), _batch(6, size=2)
+    cases = [
+        # a batch's rows in another order
+        ([BatchRow(batch, i) for i in (2, 0, 1)], [batch[2:3], batch[:1], batch[1:2]]),
+        # a batch's row beside a request's own state and a first step's
+        ([BatchRow(batch, 0), alone, None], [batch[:1], alone, mx.zeros(SHAPE)]),
+        # rows of batches of another size
+        ([BatchRow(pair, 0), BatchRow(batch, 1)], [pair[:1], batch[1:2]]),
+    ]
+    for rows, parts in cases:
+        assert mx.array_equal(stack_rows(rows, SHAPE, mx.float32), mx.concatenate(parts))
+
+
+def test_one_request_gets_its_own_state_or_zeros() -> None:
+    batch = _batch(0)
+    assert mx.array_equal(stack_rows([BatchRow(batch, 1)], SHAPE, mx.float32), batch[1:2])
+    zeros = stack_rows([None], SHAPE, mx.bfloat16)
+    assert zeros.shape == SHAPE and zeros.dtype == mx.bfloat16 and not zeros.any().item()
+
+
+def test_a_cache_counts_and_hands_out_only_its_row() -> None:
+    batch = _batch(0)
+    cache = RequestCache.for_layers([True, False])
+    cache.layers[0][0], cache.layers[0][1] = BatchRow(batch, 1), BatchRow(batch, 2)
+    assert cache.nbytes == 2 * batch.nbytes // 3
+    conv, state = cache.linear_state(0)
+    assert mx.array_equal(conv, batch[1:2]) and mx.array_equal(state, batch[2:3])
+    held = cache.arrays()  # to evaluate: the batch's array, whose row is the request's
+    assert len(held) == 2 and all(a is batch for a in held)
+    assert mx.array_equal(own(cache.layers[0][0]), batch[1:2])
