@@ -365,7 +365,7 @@ class PackedDecoderLayer(DecoderLayer):
         key = (rows, snapshot_at, few_row_matmul.enabled())  # the kernel is traced in or not
         if (step := steps.get(key)) is None:
             step = steps[key] = mx.compile(
-                functools.partial(_traced_linear_step, self, length=rows, snapshot_at=snapshot_at)
+                functools.partial(_linear_layer_step, self, length=rows, snapshot_at=snapshot_at)
             )
         # Read once: a shard's weights do not change once it steps.
         params = self.__dict__.get("_params") or self.__dict__.setdefault(
@@ -385,7 +385,7 @@ def _one_shape(segments: list[Segment]) -> tuple[int, int] | None:
     return None
 
 
-def _traced_linear_step(
+def _linear_layer_step(
     template: PackedDecoderLayer,
     params: dict,
     x: mx.array,
@@ -395,41 +395,27 @@ def _traced_linear_step(
     length: int,
     snapshot_at: tuple[int, ...],
 ) -> list[mx.array]:
-    """`_linear_layer_step` of the layer whose parameters are `params`, run through `template`
-    (a layer of the same shard): traced, `params` are the trace's inputs, so the trace holds
-    no layer's weights and serves them all. The template gets its own parameters back."""
+    """The GatedDeltaNet decoder layer whose parameters are `params` over a batch of requests
+    of one step shape, as a function of arrays, run through `template` (a layer of the same
+    shard; it gets its own parameters back). Traced, `params` are the trace's inputs, so the
+    trace holds no layer's weights and serves them all. The same ops as
+    `PackedDecoderLayer.__call__` (all requests in one group, so the stacking and joining are
+    reshapes). `length` is the step's real rows in all; `x` may have more
+    (`cluster.model.row_padding`). Returns the layer's output, then `gdn_core`'s states."""
     held = template.parameters()
     template.update(params)
     try:
-        return _linear_layer_step(
-            template, x, conv_state, state, length=length, snapshot_at=snapshot_at
-        )
+        gdn = template.linear_attn
+        batch, rows = conv_state.shape[0], x.shape[1]
+        qkv, z, b, a = (_real(t, length) for t in gdn.project(template.input_layernorm(x)))
+        z = z.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
+        qkv, a, b = (t.reshape(batch, length // batch, *t.shape[2:]) for t in (qkv, a, b))
+        out, *states = gdn_core(
+            qkv, a, b, conv_state, state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
+            dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=False,
+        )  # fmt: skip
+        out = out.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
+        h = x + gdn.out_proj(pad_rows(gdn.norm(out, z).reshape(1, length, -1), rows))
+        return [h + template.mlp(template.post_attention_layernorm(h)), *states]
     finally:
         template.update(held)
-
-
-def _linear_layer_step(
-    layer: PackedDecoderLayer,
-    x: mx.array,
-    conv_state: mx.array,
-    state: mx.array,
-    *,
-    length: int,
-    snapshot_at: tuple[int, ...],
-) -> list[mx.array]:
-    """A GatedDeltaNet decoder layer over a batch of requests of one step shape, as a function
-    of arrays: the same ops as `PackedDecoderLayer.__call__` (all requests in one group, so the
-    stacking and joining are reshapes). `length` is the step's real rows in all; `x` may have
-    more (`cluster.model.row_padding`). Returns the layer's output, then `gdn_core`'s states."""
-    gdn = layer.linear_attn
-    batch, rows = conv_state.shape[0], x.shape[1]
-    qkv, z, b, a = (_real(t, length) for t in gdn.project(layer.input_layernorm(x)))
-    z = z.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
-    qkv, a, b = (t.reshape(batch, length // batch, *t.shape[2:]) for t in (qkv, a, b))
-    out, *states = gdn_core(
-        qkv, a, b, conv_state, state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
-        dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=False,
-    )  # fmt: skip
-    out = out.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
-    h = x + gdn.out_proj(pad_rows(gdn.norm(out, z).reshape(1, length, -1), rows))
-    return [h + layer.mlp(layer.post_attention_layernorm(h)), *states]
