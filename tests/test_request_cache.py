@@ -4,6 +4,7 @@ the stacking of those rows for the next batch step (`stack_rows`)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from cluster.model.cache import BatchRow, RequestCache, batch_rows, own, stack_rows
 
@@ -58,3 +59,21 @@ def test_a_cache_counts_and_hands_out_only_its_row() -> None:
     held = cache.arrays()  # to evaluate: the batch's array, whose row is the request's
     assert len(held) == 2 and all(a is batch for a in held)
     assert mx.array_equal(own(cache.layers[0][0]), batch[1:2])
+
+
+def test_a_row_handed_out_does_not_keep_its_batch() -> None:
+    """A prefix snapshot keeps `linear_state` for minutes: a slice would pin all the rows."""
+    batch = mx.random.normal((8, 256, 1024))  # 1 MiB a row
+    mx.eval(batch)
+    cache = RequestCache.for_layers([True])
+    cache.layers[0][0], cache.layers[0][1] = BatchRow(batch, 3), None
+    conv, state = cache.linear_state(0)
+    mx.eval(conv)
+    expected = mx.array(np.array(batch[3:4]))
+    del batch, cache
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    assert state is None and mx.array_equal(conv, expected)
+    del conv, expected
+    freed = before - mx.get_active_memory()
+    assert 2 << 20 <= freed < 3 << 20  # the row and its copy, not the batch's 8 rows

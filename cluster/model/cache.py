@@ -85,6 +85,14 @@ def stack_rows(states: list[RowState | None], shape: tuple[int, ...], dtype: mx.
     return mx.concatenate(filled, axis=0)
 
 
+def _detached(state: RowState | None) -> mx.array | None:
+    if not isinstance(state, BatchRow):
+        return state
+    # A row of a row-major batch is contiguous, so `mx.contiguous` would share the batch's
+    # buffer; multiplying by one copies it, exactly (-0.0, inf and NaN included).
+    return state.array() * 1
+
+
 MAX_MERGED_SOURCES = 4  # beyond this many sources, gathering rows costs fewer ops than merging
 
 
@@ -183,9 +191,11 @@ class RequestCache:
         self.snapshots.setdefault(layer, {})[keep] = (conv, state)
 
     def linear_state(self, layer: int) -> tuple[mx.array | None, mx.array | None]:
-        """A GatedDeltaNet layer's (conv, recurrent) state as arrays of the request's own."""
+        """A GatedDeltaNet layer's (conv, recurrent) state as arrays of the request's own, a
+        batch's row copied out: a slice would keep the whole batch's buffer alive for as long
+        as the caller keeps it (a prefix snapshot: minutes)."""
         cache = self.layers[layer]
-        return tuple(None if s is None else own(s) for s in (cache[0], cache[1]))
+        return tuple(_detached(s) for s in (cache[0], cache[1]))
 
     @property
     def nbytes(self) -> int:
