@@ -9,7 +9,7 @@ as `cluster coordinator` serves it. Each round, in shuffled order, measures on t
   bare grpc   a minimal Python gRPC server stream of 4 MiB raw messages, written with pwrite
               and not verified (what gRPC alone costs on this machine)
   fetch xN    the product path: `ShardFetcher.fetch_shard` of the whole model into an empty
-              cache, N parallel streams, every chunk SHA-256 verified before it is written;
+              cache, N parallel streams, every chunk's digest verified before it is written;
               the chunks come over the service's bulk TCP stream (`cluster.weights.bulk`)
   fetch grpc x1  the same over the gRPC stream (what a TLS cluster uses)
 and the serving process's peak RSS growth during each transfer (VmHWM, reset before each),

@@ -3,7 +3,7 @@
 `ensure_shard` returns a model directory holding a verified copy of the shard's tensors: the
 directory the coordinator named when it is on this machine and is the same model (by content),
 or else the node's cache, after fetching what is missing there. Every chunk is hashed as it
-arrives (in a pool beside the receiving thread; hashlib and pwrite release the GIL) and written
+arrives (in a pool beside the receiving thread; BLAKE3 and pwrite release the GIL) and written
 only if it matches the manifest; a chunk that does not is asked for again (a few rounds), and a
 shard is returned only when every one of its chunks is verified, so nothing unverified is ever
 loaded.
@@ -225,7 +225,7 @@ class ShardFetcher:
     ) -> list[ChunkRef]:
         """One round over `missing`; returns the chunks still missing (failed their hash).
 
-        Each stream's thread only receives; hashing and writing run in a pool (hashlib and
+        Each stream's thread only receives; hashing and writing run in a pool (BLAKE3 and
         pwrite release the GIL), at most AHEAD chunks behind per stream, so receiving the next
         chunk overlaps verifying the last one and memory stays a few chunks per stream."""
         parts = _split(missing, cached.manifest, self.streams)

@@ -12,7 +12,6 @@ again, never loaded.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.weights.manifest import HASH_THREADS, Manifest, ManifestError, chunk_count
+from cluster.weights.manifest import (
+    HASH_THREADS,
+    Manifest,
+    ManifestError,
+    chunk_count,
+    content_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +112,13 @@ class CachedModel:
             except FileNotFoundError:
                 out.append(sf.name)
                 continue
-            if hashlib.sha256(data).hexdigest() != sf.sha256:
+            if content_digest(data) != sf.digest:
                 out.append(sf.name)
         return out
 
     def write_small_file(self, name: str, data: bytes | memoryview) -> None:
-        expected = self.manifest.small_files[name].sha256
-        if hashlib.sha256(data).hexdigest() != expected:
+        expected = self.manifest.small_files[name].digest
+        if content_digest(data) != expected:
             raise ManifestError(f"file {name!r} does not match the manifest")
         _write_atomic(self.path / name, bytes(data))
 
@@ -127,7 +132,7 @@ class CachedModel:
 
     def chunk_hash_ok(self, ref: ChunkRef, data: bytes | memoryview) -> bool:
         tensor, index = ref
-        return hashlib.sha256(data).hexdigest() == self.manifest.tensors[tensor].chunk_hashes[index]
+        return content_digest(data) == self.manifest.tensors[tensor].chunk_hashes[index]
 
     def missing_chunks(self, tensors: list[str]) -> list[ChunkRef]:
         """The chunks of `tensors` without a verified copy here (a verified read of each
