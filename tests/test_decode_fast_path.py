@@ -89,6 +89,32 @@ def test_fused_compiled_padded_logits_equal_plain(
         assert mx.array_equal(a, b)
 
 
+def test_layers_quantized_apart_are_not_computed_with_each_others_settings(
+    model_dir, tokenizer, fast_path
+) -> None:
+    """A mixed-precision checkpoint: one GatedDeltaNet layer at 8 bits, the rest at 4. The
+    compiled layer step's trace takes a layer's weights as inputs; only layers of one structure
+    share it, so the 8-bit layer is not dequantized with 4-bit settings, nor the others."""
+
+    def eight_bits_in_layer_1(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % 64:
+            return False
+        return {"group_size": 64, "bits": 8} if path.startswith("layers.1.") else True
+
+    plain, fast = load_shard(model_dir), load_shard(model_dir)
+    for shard in (plain, fast):
+        nn.quantize(shard, group_size=64, bits=4, class_predicate=eight_bits_in_layer_1)
+    assert fast.layers[1].mlp.down_proj.bits == 8 and fast.layers[0].mlp.down_proj.bits == 4
+    fused.fuse_projections(fast)
+    prompt = tokenizer.encode(CODE_PROMPTS[0])
+    steps = [(5,), (7, 9), (11,)]
+    _set_fast_path(False)
+    reference = _logits(plain, prompt, steps)
+    _set_fast_path(True)
+    for a, b in zip(reference, _logits(fast, prompt, steps), strict=True):
+        assert mx.array_equal(a, b)
+
+
 def test_padding_is_for_short_dense_steps(fast_path) -> None:
     assert [row_padding.padded_rows(n) for n in (1, 2, 7, 8, 30)] == [1, 8, 8, 8, 30]
     row_padding.set_enabled(True)  # the default threshold

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.gated_delta import (
     _gated_delta_step_ops,
@@ -346,9 +348,9 @@ class PackedDecoderLayer(DecoderLayer):
         h = x + mixer(self.input_layernorm(x), segments, slot)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def share_compiled_steps(self, steps: dict) -> None:
-        """Keep the compiled steps' traces in `steps`, one dict for all of a shard's layers."""
-        self.__dict__["_compiled_steps"] = steps
+    def share_traces(self, traces: LayerTraces) -> None:
+        """Keep the compiled steps in `traces`, shared by all of a shard's layers."""
+        self.__dict__["_traces"] = traces
 
     def _compiled_linear_step(
         self, x: mx.array, segments: list[Segment], slot: int, length: int, n_confirmed: int
@@ -360,20 +362,40 @@ class PackedDecoderLayer(DecoderLayer):
         gdn = self.linear_attn
         conv_state, state = gdn.states(segments, slot, x.dtype)
         snapshot_at = tuple(range(n_confirmed, length))
-        steps = self.__dict__.setdefault("_compiled_steps", {})
+        traces = self.__dict__.setdefault("_traces", LayerTraces())
+        if (params := self.__dict__.get("_params")) is None:
+            # Read once: a shard's weights do not change once it steps.
+            params = self.__dict__["_params"] = self.parameters()
+            self.__dict__["_structure"] = traces.structure_of(self)
         rows = len(segments) * length
-        key = (rows, snapshot_at, few_row_matmul.enabled())  # the kernel is traced in or not
-        if (step := steps.get(key)) is None:
-            step = steps[key] = mx.compile(
+        # The few-row kernel is traced in or not.
+        key = (self.__dict__["_structure"], rows, snapshot_at, few_row_matmul.enabled())
+        if (step := traces.steps.get(key)) is None:
+            step = traces.steps[key] = mx.compile(
                 functools.partial(_linear_layer_step, self, length=rows, snapshot_at=snapshot_at)
             )
-        # Read once: a shard's weights do not change once it steps.
-        params = self.__dict__.get("_params") or self.__dict__.setdefault(
-            "_params", self.parameters()
-        )
         h, *new_states = step(params, x, conv_state, state)
         gdn.store(segments, slot, snapshot_at, new_states)
         return h
+
+
+class LayerTraces:
+    """A shard's compiled GatedDeltaNet layer steps. Layers of one structure (their modules'
+    classes and settings, their parameters' shapes and dtypes) share a trace per step shape;
+    a layer quantized otherwise than the rest (a mixed-precision checkpoint) gets its own."""
+
+    def __init__(self) -> None:
+        self.steps: dict[tuple, Callable[..., list[mx.array]]] = {}
+        self._structures: dict[tuple, int] = {}
+
+    def structure_of(self, layer: nn.Module) -> int:
+        """A small number naming `layer`'s structure."""
+        modules = tuple(
+            (name, type(m).__name__, *(getattr(m, a, None) for a in ("bits", "group_size", "mode")))
+            for name, m in layer.named_modules()
+        )
+        arrays = tuple((name, a.shape, a.dtype) for name, a in tree_flatten(layer.parameters()))
+        return self._structures.setdefault((modules, arrays), len(self._structures))
 
 
 def _one_shape(segments: list[Segment]) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from cluster.config import ModelConfig
 from cluster.model import row_padding
-from cluster.model.layers import PackedDecoderLayer, Segment
+from cluster.model.layers import LayerTraces, PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
 
 ASYNC_EVAL_EVERY = 8  # layers
@@ -57,9 +57,9 @@ class ModelShard(nn.Module):
         if spec.is_head or (spec.is_tail and (with_mtp or self.tied)):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [PackedDecoderLayer(args, i) for i in range(spec.start, spec.end)]
-        compiled_steps: dict = {}
+        traces = LayerTraces()
         for layer in self.layers:
-            layer.share_compiled_steps(compiled_steps)
+            layer.share_traces(traces)
         if spec.is_tail:
             self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
             if not self.tied:
