@@ -8,8 +8,9 @@ graph in C++ with its elementwise chains fused into a few kernels. A compiled fu
 traced once per input shape, so only steps of a few positions (decode, verify) take this path:
 the whole GatedDeltaNet layer of one request or of a batch whose requests' steps share a shape
 (`layers_enabled`; the layer's weights are inputs of the trace, so one trace per (rows,
-drafts) shape serves every layer of a shard), or, for a batch of mixed shapes, each group's
-recurrence alone (`batches_enabled`). A prefill chunk runs the plain ops.
+drafts) shape serves every layer of a shard that has the same structure), or, for a batch of
+mixed shapes, each group's recurrence alone (`batches_enabled`). A prefill chunk runs the
+plain ops.
 
 Whether it is on is decided per backend (`enabled`): on for CUDA, where it took the 27B-shape
 backbone's one-token graph build from 17.2 to 15.1 ms (BENCHMARKS.md, issue 10); off on Metal

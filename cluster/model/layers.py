@@ -357,8 +357,9 @@ class PackedDecoderLayer(DecoderLayer):
     ) -> mx.array:
         """The whole GatedDeltaNet layer as one compiled call (`cluster.model.compiled`): a
         graph replayed in C++ with its elementwise chains fused. The layer's weights are inputs
-        of the trace, so every layer of a shard replays one trace per (requests, positions)
-        shape, and a batch size seen for the first time costs one trace, not one per layer."""
+        of the trace, so the shard's layers of one structure (`LayerTraces`) replay one trace per
+        (rows, drafts) shape, and a batch size seen for the first time costs one trace, not one
+        per layer."""
         gdn = self.linear_attn
         conv_state, state = gdn.states(segments, slot, x.dtype)
         snapshot_at = tuple(range(n_confirmed, length))
