@@ -69,6 +69,11 @@ def _real(x: mx.array, length: int) -> mx.array:
     return x if x.shape[1] == length else x[:, :length]
 
 
+def _row(x: mx.array, row: int) -> mx.array:
+    """Request `row`'s slice [1, ...] of a batch-major tensor [B, ...]."""
+    return x if x.shape[0] == 1 else x[row : row + 1]
+
+
 def _join(parts: list[mx.array]) -> mx.array:
     """Per-request pieces [1, n, ...] back into one packed [1, L, ...] tensor."""
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
@@ -274,8 +279,8 @@ class PackedAttention(Attention):
         keys = self.k_norm(k.reshape(1, length, self.num_key_value_heads, -1))
         values = v.reshape(1, length, self.num_key_value_heads, -1)
         queries = self.q_norm(queries)
-        if len(segments) > 1 and len({seg.length for seg in segments}) == 1:
-            mixed = self._attend_batch(queries, keys, values, segments, slot)
+        if len({seg.length for seg in segments}) == 1:
+            mixed = self._attend(queries, keys, values, segments, slot)
         else:
             parts = zip(
                 _split(queries, segments),
@@ -284,42 +289,34 @@ class PackedAttention(Attention):
                 segments,
                 strict=True,
             )
-            mixed = _join([self._attend(q, k, v, seg, slot) for q, k, v, seg in parts])
+            mixed = _join([self._attend(q, k, v, [seg], slot) for q, k, v, seg in parts])
         out = mixed * mx.sigmoid(gate.reshape(1, length, -1))
         return self.o_proj(pad_rows(out, rows))
 
-    def _attend_batch(
+    def _attend(
         self, q: mx.array, k: mx.array, v: mx.array, segments: list[Segment], slot: int
     ) -> mx.array:
-        """`_attend` for requests whose steps have one length (every decode step, typically):
-        the layout and the rotary embedding run once for the batch, each row at its own
-        offset; only the cache write and the attention over it stay per request."""
+        """Attention for requests whose steps have one length (every decode step, typically):
+        the layout and the rotary embedding run once for them all, each row at its own
+        offset; only the cache write and the attention over it are per request."""
         batch, length = len(segments), segments[0].length
-        q, k, v = (t.reshape(batch, length, *t.shape[2:]).transpose(0, 2, 1, 3) for t in (q, k, v))
+        if batch > 1:
+            q, k, v = (t.reshape(batch, length, *t.shape[2:]) for t in (q, k, v))
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         caches = [seg.cache.layers[slot] for seg in segments]
-        offsets = _offsets(tuple(cache.offset for cache in caches))
-        q, k = self.rope(q, offset=offsets), self.rope(k, offset=offsets)
+        offset = caches[0].offset if batch == 1 else _offsets(tuple(c.offset for c in caches))
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         mask = "causal" if length > 1 else None
         outs = []
         for row, cache in enumerate(caches):
-            keys, values = cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
+            keys, values = cache.update_and_fetch(_row(k, row), _row(v, row))
             outs.append(
                 scaled_dot_product_attention(
-                    q[row : row + 1], keys, values, cache=cache, scale=self.scale, mask=mask
+                    _row(q, row), keys, values, cache=cache, scale=self.scale, mask=mask
                 )
             )
-        out = mx.concatenate(outs, axis=0).transpose(0, 2, 1, 3)
-        return out.reshape(1, batch * length, -1)
-
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, slot: int) -> mx.array:
-        cache = seg.cache.layers[slot]
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        q = self.rope(q, offset=cache.offset)
-        k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if seg.length > 1 else None
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(1, seg.length, -1)
+        out = outs[0] if batch == 1 else mx.concatenate(outs, axis=0)
+        return out.transpose(0, 2, 1, 3).reshape(1, batch * length, -1)
 
 
 @functools.lru_cache(maxsize=16)
