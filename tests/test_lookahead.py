@@ -88,11 +88,59 @@ def test_concurrent_requests_that_end_apart_are_unchanged(model_dir, tokenizer) 
     assert used > 0 and undone > 0
 
 
-def test_mtp_steps_are_not_built_ahead(model_dir, tokenizer) -> None:
-    """With drafts the next step depends on the verdict: nothing is built ahead."""
-    requests = _requests(tokenizer, RequestOptions(mtp=True), max_tokens=16)
-    _, counts = run(_generate(model_dir, requests, lookahead=True, mtp=True))
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one_by_one", "concurrent"])
+def test_mtp_tokens_and_verdicts_are_unchanged(model_dir, tokenizer, concurrent) -> None:
+    """Greedy MTP at one draft a step: each step is built before the verdict on the draft
+    before it is read, the caches taking that verdict on the device. Rejected drafts included,
+    the tokens and verdicts are those of the runner that builds nothing ahead."""
+    requests = _requests(tokenizer, RequestOptions(mtp=True))
+    ahead, (used, _) = run(
+        _generate(model_dir, requests, lookahead=True, mtp=True, concurrent=concurrent)
+    )
+    plain, counts = run(
+        _generate(model_dir, requests, lookahead=False, mtp=True, concurrent=concurrent)
+    )
+    _same(ahead, plain)
+    assert [(o.drafted, o.accepted) for o in ahead] == [(o.drafted, o.accepted) for o in plain]
     assert counts == (0, 0)
+    assert any(o.accepted < o.drafted for o in ahead), "no draft was rejected"
+    if not concurrent:  # every step verifies a draft, and all but a last one came from ahead
+        assert used >= sum(o.drafted for o in ahead) - len(requests)
+    else:
+        assert used > 0
+
+
+def test_mtp_steps_whose_next_step_needs_the_host_are_not_built_ahead(model_dir, tokenizer) -> None:
+    """A sampled request's random numbers are keyed by the position that the verdict fixes,
+    and deeper drafts are chained after it: those steps wait for the verdict."""
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    for options in (RequestOptions(sampling), RequestOptions(mtp_depth=2)):
+        requests = _requests(tokenizer, options, max_tokens=12)[:2]
+        ahead, counts = run(_generate(model_dir, requests, lookahead=True, mtp=True))
+        plain, _ = run(_generate(model_dir, requests, lookahead=False, mtp=True))
+        _same(ahead, plain)
+        assert counts == (0, 0)
+
+
+def test_a_verdict_the_host_reads_otherwise_undoes_the_step_built_on_it(
+    model_dir, tokenizer, monkeypatch
+) -> None:
+    """A decision replaced on the host (here: every draft accepted, whatever the device
+    found) must not leave the step built on the device's verdict in place."""
+    import cluster.decode.tail
+    from cluster.decode.verify import decide
+
+    def accept_all(candidates, drafts):
+        if not drafts:
+            return decide(candidates, drafts)
+        return (*drafts, candidates.target.tolist()[len(drafts)]), len(drafts)
+
+    monkeypatch.setattr(cluster.decode.tail, "decide", accept_all)
+    requests = _requests(tokenizer, RequestOptions(mtp=True), max_tokens=16)[:2]
+    ahead, (_, undone) = run(_generate(model_dir, requests, lookahead=True, mtp=True))
+    plain, _ = run(_generate(model_dir, requests, lookahead=False, mtp=True))
+    _same(ahead, plain)
+    assert undone > len(requests)  # (one per request is the step after its last)
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +188,77 @@ def test_a_step_built_ahead_and_not_asked_for_leaves_no_trace(shard, tokenizer, 
     assert ahead.steps_ahead_undone >= 1
 
 
-def test_moe_greedy_tokens_are_unchanged(tmp_path) -> None:
+@pytest.mark.parametrize("mtp", [False, True], ids=["mtp_off", "mtp_on"])
+def test_moe_greedy_tokens_are_unchanged(tmp_path, mtp) -> None:
     from checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
-    options = RequestOptions(mtp=False)
+    options = RequestOptions(mtp=mtp)
     requests = [GenerationRequest(p, 24, options) for p in [(5, 17, 300, 42, 7), (1, 2, 3, 4)]]
-    ahead, (used, _) = run(_generate(path, requests, lookahead=True, concurrent=True))
-    plain, _ = run(_generate(path, requests, lookahead=False, concurrent=True))
+    ahead, (used, _) = run(_generate(path, requests, lookahead=True, mtp=mtp, concurrent=True))
+    plain, _ = run(_generate(path, requests, lookahead=False, mtp=mtp, concurrent=True))
     _same(ahead, plain)
+    assert [(o.drafted, o.accepted) for o in ahead] == [(o.drafted, o.accepted) for o in plain]
     assert used > 0
+
+
+@pytest.fixture(scope="module")
+def mtp_shard(model_dir):
+    return load_shard(model_dir)
+
+
+@pytest.mark.parametrize(
+    "then", ["asked", "other_draft", "no_draft", "rollback", "release_as_prefix", "other_batch"]
+)
+def test_an_mtp_step_built_on_a_rejection_leaves_no_trace(mtp_shard, tokenizer, then) -> None:
+    """A step [y, d] whose draft is rejected: the step after it is built with the rejection
+    taken on the device, then resolved once read. Whether that step is asked for or something
+    else comes, the caches (the MTP head's too) are those of a runner that built nothing
+    ahead, once the rollback that each request's last step still owes is applied (a rejected
+    draft's slot is dead from the verdict on: a step built ahead may have moved keys over it)."""
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
+    ahead, plain = ShardRunner(mtp_shard), ShardRunner(mtp_shard, lookahead=False)
+    owed: dict[str, int] = {}
+
+    def both(steps: list[StepRequest]) -> list:
+        results = ahead.run(steps).results
+        assert plain.run(steps).results == results
+        for step, result in zip(steps, results, strict=True):
+            owed[step.request_id] = len(step.tokens) - result.keep
+        return results
+
+    (first,) = both([StepRequest("r", prompt, 0)])
+    n = len(prompt)
+    wrong = (first.drafts[0] + 1) % mtp_shard.vocab_size  # greedy decoding will not pick it
+    (rejected,) = both([StepRequest("r", (first.tokens[0], wrong), n, draft_len=1)])
+    assert rejected.accepted == 0 and ahead._ahead is not None
+    after = StepRequest(
+        "r", (rejected.tokens[-1], *rejected.drafts), n + 1, draft_len=1, rollback=1
+    )
+    if then == "asked":
+        both([after])
+        assert ahead.steps_ahead_used == 1
+    elif then == "other_draft":
+        both([StepRequest("r", (rejected.tokens[-1], wrong), n + 1, draft_len=1, rollback=1)])
+    elif then == "no_draft":  # the engine cut the drafts (max_tokens)
+        both([StepRequest("r", rejected.tokens[-1:], n + 1, rollback=1)])
+    elif then == "rollback":
+        assert ahead.rollback("r", 1) == plain.rollback("r", 1) == n + 1
+        owed["r"] = 0
+    elif then == "release_as_prefix":
+        kept = ahead.release_as_prefix("r", 1, n + 1)
+        assert kept == plain.release_as_prefix("r", 1, n + 1) and kept[0]
+        both([StepRequest("s", after.tokens, n + 1, draft_len=1, prefix_from=1)])
+    else:
+        both([StepRequest("q", prompt[:5], 0)])
+        both([after, StepRequest("q", (7,), 5)])
+    ahead.settle()
+    assert ahead.requests.keys() == plain.requests.keys()
+    for rid, state in ahead.requests.items():
+        other = plain.requests[rid]
+        assert ahead.rollback(rid, owed[rid]) == plain.rollback(rid, owed[rid])
+        assert state.tail.drafts == other.tail.drafts
+        assert state.cache.deferred is None and state.tail.mtp_cache.deferred is None
+        _assert_same_caches(state.cache, other.cache)
+        _assert_same_caches(state.tail.mtp_cache, other.tail.mtp_cache)
+    assert ahead.steps_ahead_used + ahead.steps_ahead_undone >= 1

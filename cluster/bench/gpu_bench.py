@@ -57,7 +57,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
-from cluster.bench.oracle_node import install_oracle, restore_decide
+from cluster.bench.oracle_node import install_oracle, remove_oracle
 from cluster.config import ModelConfig, load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.pipeline import LocalPipeline
@@ -353,7 +353,7 @@ def _plain_and_verify_steps(
             position, rollback = position + r.keep, 2 - r.keep
         runner.release("verify")
     finally:
-        restore_decide(previous)
+        remove_oracle(previous)
     out["verify"] = _ms(times[warmup:])
     out["verify_acceptance"] = accepted / iters
 
@@ -575,7 +575,7 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
             try:
                 row["mtp_on"] = await engine_decode(local.engine, prompt, args.tokens, 2, True)
             finally:
-                restore_decide(previous)
+                remove_oracle(previous)
             diag[f"local_{parts}_shards"] = row
             print(
                 f"  {parts} shard(s) in one process: off {row['mtp_off']['median_tps']:.1f}, "
@@ -760,7 +760,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             try:
                 on = await engine_decode(engine, prompt, args.tokens, args.repeats, mtp=True)
             finally:
-                restore_decide(previous)
+                remove_oracle(previous)
             on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
             row["mtp_on"][str(alpha)] = on
         row["mtp_depths"] = {}
@@ -770,7 +770,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
                 await engine_decode(engine, prompt, WARM_BATCH_TOKENS, 1, True, depth)
                 on = await engine_decode(engine, prompt, args.tokens, args.repeats, True, depth)
             finally:
-                restore_decide(previous)
+                remove_oracle(previous)
             on["over_off"] = on["median_tps"] / row["mtp_off"]["median_tps"]
             row["mtp_depths"][str(depth)] = on
             print(
@@ -811,7 +811,7 @@ async def _batch_at_alpha(
     try:
         return await concurrent_decode(engine, prompt, tokens, requests)
     finally:
-        restore_decide(previous)
+        remove_oracle(previous)
         await worker.run(compiled.set_batches_enabled, None)
 
 
@@ -1008,7 +1008,7 @@ def _oracle(alpha: float, seed: int = 3):
     try:
         yield
     finally:
-        restore_decide(previous)
+        remove_oracle(previous)
 
 
 async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: list[str]) -> None:
@@ -1068,6 +1068,8 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         "one_process_on_over_off": ("local_on", "local_off"),
         "one_process_lookahead_on_over_off": ("local_off", "local_off_no_lookahead"),
         "one_process_no_lookahead_over_mlx_lm": ("local_off_no_lookahead", "mlx_lm"),
+        "one_process_on_lookahead_on_over_off": ("local_on", "local_on_no_lookahead"),
+        "one_process_on_no_lookahead_over_mlx_lm": ("local_on_no_lookahead", "mlx_lm"),
     }
     if args.paired_nodes:
         ratios |= {
@@ -1079,6 +1081,7 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
     for name, key in (
         ("one_process_engine_over_its_steps", "local_engine_over_steps"),
         ("one_process_engine_over_steps_no_lookahead", "local_engine_over_steps_no_lookahead"),
+        ("one_process_on_engine_over_its_steps", "local_engine_over_steps_on"),
     ):
         out["ratios"][name] = median([r[key] for r in rounds])
     # Each node's step against its layers' share (an even split) of the one-process step.
@@ -1116,7 +1119,17 @@ async def _paired_round(
     row["local_off"] = off["median_tps"]
     row["local_engine_over_steps"] = off["engine_over_steps"]
     with _oracle(0.7):
-        row["local_on"] = (await engine_decode(local, prompt, args.tokens, 1, True))["median_tps"]
+        on = await engine_decode(local, prompt, args.tokens, 1, True)
+        row["local_on"] = on["median_tps"]
+        row["local_engine_over_steps_on"] = on["engine_over_steps"]
+        # MTP on without steps built ahead: what building the step after a verdict, before
+        # it is read, buys.
+        runner.lookahead = False
+        try:
+            on = await engine_decode(local, prompt, args.tokens, 1, True)
+        finally:
+            runner.lookahead = lookahead
+        row["local_on_no_lookahead"] = on["median_tps"]
     row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
     if remote is None:
         return row
@@ -1573,7 +1586,10 @@ def summarize(report: dict) -> None:
         lines.append(
             f"  steps built ahead: MTP off {r['one_process_lookahead_on_over_off']:.2f}x without "
             f"them; without them / mlx-lm {r['one_process_no_lookahead_over_mlx_lm']:.2f}x, "
-            f"engine / its own steps {r['one_process_engine_over_steps_no_lookahead']:.3f}x"
+            f"engine / its own steps {r['one_process_engine_over_steps_no_lookahead']:.3f}x; "
+            f"MTP on {r['one_process_on_lookahead_on_over_off']:.2f}x without them (without "
+            f"them / mlx-lm {r['one_process_on_no_lookahead_over_mlx_lm']:.2f}x), engine / its "
+            f"own steps {r['one_process_on_engine_over_its_steps']:.3f}x"
         )
         if n:
             lines.append(

@@ -3,12 +3,15 @@
     python -m cluster.bench.oracle_node --host 127.0.0.1 --port P --token T --accept-rate 0.7
 
 A model with random weights drafts tokens its backbone almost never agrees with, so its real
-acceptance says nothing about speed. This node replaces the tail's draft decision
-(`cluster.decode.tail.decide`) by an oracle that accepts each draft with probability `--accept-rate`
-and otherwise emits the target's correction. Everything else is the real per-token path: the
-MTP head still drafts, every node still computes `[y, d]`, snapshots its GatedDeltaNet state
-and, on a rejection, restores it and trims its KV cache. Only the tail's decision is patched;
-nodes that are not the tail behave exactly like `cluster node`.
+acceptance says nothing about speed. This node replaces whether each draft passes (the
+`accept` of the tail's candidates, `cluster.decode.tail.propose`) by a draw at `--accept-rate`;
+a rejected draft is followed by the target's correction. The draw is made where the real test
+is, on the device's side of the step: the verdict the device reads (the runner's steps built
+ahead) and the one the host reads agree, as they do for real drafts. Everything else is the
+real per-token path: the MTP head still drafts, every node still computes `[y, d]`, snapshots
+its GatedDeltaNet state and, on a rejection, restores it and trims its KV cache. Only the
+tail's test of the drafts is patched; nodes that are not the tail behave exactly like
+`cluster node`.
 """
 
 from __future__ import annotations
@@ -24,39 +27,37 @@ import mlx.core as mx
 import cluster.decode.tail
 from cluster.decode.verify import Candidates
 
-Decide = Callable[[Candidates, tuple[int, ...]], tuple[tuple[int, ...], int]]
+Propose = Callable[..., Candidates]
 
 
-def oracle_decide(accept_rate: float, seed: int = 0) -> Decide:
-    """`cluster.decode.verify.decide` with the draft's fate drawn at `accept_rate` instead of read
-    from the target distribution. The emitted tokens come from the same evaluated candidates
-    (accepted drafts, then the target's bonus token or the correction)."""
+def oracle_propose(accept_rate: float, seed: int = 0, propose: Propose | None = None) -> Propose:
+    """`cluster.decode.verify.propose` with each draft's fate drawn at `accept_rate` instead of
+    tested against the target distribution. The tokens come from the real candidates (the
+    target's own token at each position: the correction of a rejected draft, or the bonus)."""
     if not 0.0 <= accept_rate <= 1.0:
         raise ValueError(f"accept rate must be in [0, 1], got {accept_rate}")
     rng = random.Random(seed)
+    propose = propose or cluster.decode.tail.propose
 
-    def decide(candidates: Candidates, drafts: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-        target = candidates.target.tolist()
-        if not drafts:
-            return (target[0],), 0
-        correction = target if candidates.correction is None else candidates.correction.tolist()
-        for i in range(len(drafts)):
-            if rng.random() >= accept_rate:
-                return (*drafts[:i], correction[i]), i
-        return (*drafts, target[len(drafts)]), len(drafts)
+    def oracle(target_logprobs, drafts, draft_logprobs, params, request_rng) -> Candidates:
+        candidates = propose(target_logprobs, drafts, draft_logprobs, params, request_rng)
+        if len(drafts) == 0:
+            return candidates
+        accept = mx.array([rng.random() < accept_rate for _ in range(len(drafts))])
+        return Candidates(candidates.target, accept, candidates.correction)
 
-    return decide
+    return oracle
 
 
-def install_oracle(accept_rate: float, seed: int = 0) -> Decide:
-    """Patch the tail of this process; returns the decision it replaced."""
-    previous = cluster.decode.tail.decide
-    cluster.decode.tail.decide = oracle_decide(accept_rate, seed)
+def install_oracle(accept_rate: float, seed: int = 0) -> Propose:
+    """Patch the tail of this process; returns what it replaced (for `remove_oracle`)."""
+    previous = cluster.decode.tail.propose
+    cluster.decode.tail.propose = oracle_propose(accept_rate, seed, previous)
     return previous
 
 
-def restore_decide(previous: Decide) -> None:
-    cluster.decode.tail.decide = previous
+def remove_oracle(previous: Propose) -> None:
+    cluster.decode.tail.propose = previous
 
 
 def main(argv: list[str] | None = None) -> None:

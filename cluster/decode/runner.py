@@ -6,13 +6,19 @@ cannot run (unknown id, wrong position, over the cache budget) are answered with
 their own and left out of the batch; the other requests of the batch run as usual.
 
 Steps built ahead: a shard that is both head and tail (a model in one process) knows each
-request's next plain step before anyone asks for it, but for its token, which is still on the
+request's next step before anyone asks for it, but for its tokens, which are still on the
 device. So before it reads a batch's tokens it builds and launches the batch that feeds them
 back (mlx-lm's `generate_step` does the same with its lazy token), and the device computes
 step n+1 while the host reads step n, answers it and receives the engine's next step. If that
 step is the one built, its results are already under way; anything else (a stop, a request
 that joined or left, a rollback or a release) first undoes the step built ahead, from a mark
 of each request's caches taken before it, so every step sees exactly the caches it would have.
+
+With MTP (greedy, one draft a step) the next step is [the last token emitted, the draft], and
+it starts where the verdict on this step's draft leaves the caches: that verdict too is still
+on the device. The caches take it there (`cluster.model.cache.defer_verdicts`: the
+GatedDeltaNet states it picks, the rejected draft's keys masked out), and once the host reads
+it they are resolved to the positions it kept.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ import mlx.core as mx
 
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
 from cluster.decode.step_cost import StepCost
-from cluster.decode.tail import Tail, TailJob, TailRequest
+from cluster.decode.tail import NextInput, Tail, TailJob, TailMark, TailRequest
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
-from cluster.model.cache import CacheMark, RequestCache
+from cluster.model.cache import CacheMark, RequestCache, Verdicts, defer_verdicts
 from cluster.model.layers import Segment
 from cluster.model.shard import ModelShard
 
@@ -71,13 +77,16 @@ Runnable = tuple[int, StepRequest, RequestState]
 
 @dataclass(slots=True)
 class _Ahead:
-    """A batch built and launched before it was asked for: each request's next plain step,
-    fed the token its last step emits. `steps` hold that token once it is read; `marks` are
-    the requests' caches from before this batch, to undo it."""
+    """A batch built and launched before it was asked for: each request's next step, fed the
+    tokens its last step emits. `steps` hold those tokens once they are read; `marks` and
+    `tail_marks` are the requests' caches from before this batch, to undo it; `undecided`,
+    each request's drafts in its last step, whose verdict this batch took on the device."""
 
     runnable: list[Runnable]
     jobs: list[TailJob]
     marks: list[CacheMark]
+    tail_marks: list[TailMark | None]
+    undecided: list[int]
     steps: list[StepRequest] = field(default_factory=list)
 
     def holds(self, request_id: str | None) -> bool:
@@ -178,8 +187,16 @@ class ShardRunner:
             self._ahead = self._start_ahead(runnable, jobs)
         results = self.tail.conclude(jobs)
         if self._ahead is not None:
+            self._ahead = self._read_verdicts(self._ahead, jobs)
+        if self._ahead is not None:
             self._ahead.steps = [
-                StepRequest(step.request_id, result.tokens[-1:], step.position + result.keep)
+                StepRequest(
+                    step.request_id,
+                    (result.tokens[-1], *result.drafts),
+                    step.position + result.keep,
+                    draft_len=len(result.drafts),
+                    rollback=len(step.tokens) - result.keep,
+                )
                 for (_, step, _), result in zip(runnable, results, strict=True)
             ]
         dropped = self._save_prefixes(runnable)
@@ -187,47 +204,89 @@ class ShardRunner:
         return BatchOutput(ran, results=results, errors=errors, prefix_dropped=dropped)
 
     def _start_ahead(self, runnable: list[Runnable], jobs: list[TailJob]) -> _Ahead | None:
-        """Build and launch the batch that feeds each request the token it is about to emit,
-        where every request's next step is a plain one; None where not."""
-        tokens = [Tail.next_input(job) for job in jobs]
-        if any(t is None for t in tokens) or any(step.prefix_save for _, step, _ in runnable):
+        """Build and launch the batch that feeds each request the tokens it is about to emit,
+        where the device alone fixes every request's next step (`Tail.next_input`); None
+        where not."""
+        nexts: list[NextInput] = [Tail.next_input(job) for job in jobs]
+        if any(n is None for n in nexts) or any(step.prefix_save for _, step, _ in runnable):
             return None  # (a prefix snapshot reads the caches after this step: not ahead)
         states = [state for _, _, state in runnable]
         try:
-            for state in states:
-                self._check_budget(state, 1)
+            for state, following in zip(states, nexts, strict=True):
+                self._check_budget(state, 1 + following.drafts)
         except CacheBudgetError:
             return None  # the engine's own step will say so
         marks = [state.cache.mark() for state in states]
-        # Each step's token is a placeholder until it is read; the layers take it on the device.
+        tail_marks = [state.tail.mark() if state.tail else None for state in states]
+        undecided = [following.undecided for following in nexts]
+        if any(undecided):
+            verdicts = Verdicts([following.accepted for following in nexts], undecided)
+            defer_verdicts([state.cache for state in states], verdicts, list(range(len(states))))
+            mtp = [(row, s.tail.mtp_cache) for row, s in enumerate(states) if s.tail.mtp_cache]
+            defer_verdicts([cache for _, cache in mtp], verdicts, [row for row, _ in mtp])
+        # Each step's tokens are placeholders until they are read (its position too, until
+        # the verdict is): the layers take them on the device.
         ahead: list[Runnable] = []
         segments = []
-        for row, (_, step, state) in enumerate(runnable):
+        start = 0
+        for (_, step, state), following in zip(runnable, nexts, strict=True):
+            length = 1 + following.drafts
             position = step.position + len(step.tokens)
-            ahead.append((row, StepRequest(step.request_id, (0,), position), state))
-            state.cache.begin_step(0, 1)
-            segments.append(Segment(state.cache, 1, 1))
+            placeholder = StepRequest(
+                step.request_id, (0,) * length, position, draft_len=following.drafts
+            )
+            ahead.append((start, placeholder, state))
+            state.cache.begin_step(0, length)
+            segments.append(Segment(state.cache, length, 1))
+            start += length
+        tokens = [following.tokens for following in nexts]
         out = self.shard(self.shard.embed(mx.concatenate(tokens)[None]), segments)
         steps = [step for _, step, _ in ahead]
-        jobs = self.tail.launch(steps, [state.tail for state in states], out)
-        return _Ahead(ahead, jobs, marks)
+        jobs = self.tail.launch(steps, [state.tail for state in states], out, tokens)
+        return _Ahead(ahead, jobs, marks, tail_marks, undecided)
+
+    def _read_verdicts(self, ahead: _Ahead, jobs: list[TailJob]) -> _Ahead | None:
+        """The verdicts of the batch that `ahead` follows, read: resolve the caches that took
+        them on the device. Where the host decided otherwise than the device (a verdict
+        replaced, as the benchmark's acceptance oracle does), the batch built on the device's is
+        undone instead."""
+        drops = [k - job.accepted for k, job in zip(ahead.undecided, jobs, strict=True)]
+        if any(job.verdict is not None and job.verdict.item() != job.accepted for job in jobs):
+            self._undo(ahead)
+            for (_, _, state), drop in zip(ahead.runnable, drops, strict=True):
+                if drop and state.tail.mtp_cache is not None:  # what the tail left to us
+                    state.tail.mtp_cache.rollback(drop)
+            return None
+        if not any(ahead.undecided):
+            return ahead
+        for i, ((_, _, state), drop) in enumerate(zip(ahead.runnable, drops, strict=True)):
+            state.cache.resolve(drop)
+            if state.tail.mtp_cache is not None:
+                state.tail.mtp_cache.resolve(drop)
+                # Undone now, the batch leaves the MTP cache as the tail's verdict left it.
+                ahead.tail_marks[i] = ahead.tail_marks[i].trimmed(drop)
+        return ahead
 
     def _run_ahead(self, ahead: _Ahead) -> BatchOutput:
         """The batch built ahead, now asked for: conclude it (building the one after)."""
         runnable = []
         now = time.monotonic()
         for (row, _, state), step, job in zip(ahead.runnable, ahead.steps, ahead.jobs, strict=True):
-            job.step = step  # the token, read since
+            job.step = step  # the tokens and position, read since
             state.last_used = now
             runnable.append((row, step, state))
-        self.positions_computed += len(runnable)
+            self.positions_computed += len(step.tokens)
         return self._conclude(runnable, ahead.jobs, {})
 
     def _undo(self, ahead: _Ahead) -> None:
         """Take back a batch built ahead that was not asked for: the caches as before it."""
         self.steps_ahead_undone += 1
-        for (_, _, state), mark in zip(ahead.runnable, ahead.marks, strict=True):
+        for (_, _, state), mark, tail_mark in zip(
+            ahead.runnable, ahead.marks, ahead.tail_marks, strict=True
+        ):
             state.cache.restore(mark)
+            if tail_mark is not None:
+                state.tail.restore(tail_mark)
 
     def settle(self, request_id: str | None = None) -> None:
         """Undo the batch built ahead if it holds `request_id` (None: whatever it holds):

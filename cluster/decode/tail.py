@@ -18,6 +18,10 @@ the MTP head on its own output: (o_t, d1) -> d2, (o_{t+1}, d2) -> d3, ... after 
 for every request of the batch at once, with one more sync. Each link writes an entry to the
 MTP cache that no verdict will confirm; those `speculative` entries are discarded before the
 next step feeds its confirmed pairs, so the MTP cache only ever holds confirmed pairs.
+
+A step built ahead (cluster.decode.runner) is launched before the verdict of the step before
+it is read: its tokens are still on the device (`TailJob.inputs`, from `next_input`), and its
+MTP cache holds that verdict deferred (cluster.model.cache): the runner resolves it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from cluster.messages import (
     StepRequest,
     StepResult,
 )
-from cluster.model.cache import RequestCache
+from cluster.model.cache import CacheMark, RequestCache
 from cluster.model.layers import Segment
 from cluster.model.shard import ModelShard
 
@@ -49,6 +53,21 @@ _PLAIN = SamplingParams()  # greedy params: log_probs gives the model's own dist
 
 def _ids(tokens: tuple[int, ...]) -> mx.array:
     return mx.array(tokens, dtype=mx.uint32)
+
+
+@dataclass(frozen=True, slots=True)
+class TailMark:
+    """A `TailRequest` at one moment (`TailRequest.mark`)."""
+
+    mtp_cache: CacheMark | None
+    pending_hidden: mx.array | None
+    recent_inputs: mx.array | None
+
+    def trimmed(self, drop: int) -> TailMark:
+        """This mark less the last `drop` MTP pairs (those after a rejected draft)."""
+        if self.mtp_cache is None or drop == 0:
+            return self
+        return TailMark(self.mtp_cache.trimmed(drop), self.pending_hidden, self.recent_inputs)
 
 
 @dataclass(slots=True)
@@ -74,11 +93,33 @@ class TailRequest:
     def nbytes(self) -> int:
         return self.mtp_cache.nbytes if self.mtp_cache else 0
 
+    def mark(self) -> TailMark:
+        """What a launch changes here; `restore` undoes a step launched since."""
+        cache = self.mtp_cache.mark() if self.mtp_cache is not None else None
+        return TailMark(cache, self.pending_hidden, self.recent_inputs)
+
+    def restore(self, mark: TailMark) -> None:
+        if self.mtp_cache is not None:
+            self.mtp_cache.restore(mark.mtp_cache)
+        self.pending_hidden, self.recent_inputs = mark.pending_hidden, mark.recent_inputs
+
     def discard_speculative(self) -> None:
         """Drop what chained drafts wrote to the MTP cache: it then holds confirmed pairs only."""
         if self.speculative:
             self.mtp_cache.discard(self.speculative)
             self.speculative = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NextInput:
+    """The step after a job's, known on the device before its verdict is read: its tokens
+    (the last token the job emits, then the drafts it made), how many of them are drafts,
+    and the job's own drafts, of which the verdict (`accepted`) keeps some."""
+
+    tokens: mx.array
+    drafts: int
+    undecided: int
+    accepted: mx.array | None
 
 
 @dataclass(slots=True)
@@ -101,6 +142,14 @@ class TailJob:
     accepted: int = 0
     emitted_logprobs: tuple[float, ...] | None = None
     emitted_top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    inputs: mx.array | None = None  # the step's tokens, when they were on the device at launch
+    verdict: mx.array | None = None  # [] the drafts accepted, on the device
+
+    def tokens(self, begin: int, end: int | None = None) -> mx.array:
+        """The step's tokens [begin:end] on the device."""
+        if self.inputs is not None:
+            return self.inputs[begin:end]
+        return _ids(self.step.tokens[begin:end])
 
     @property
     def replays(self) -> bool:
@@ -118,6 +167,7 @@ class TailJob:
 
     def arrays(self) -> list[mx.array]:
         out = self.candidates.arrays() if self.candidates else []
+        out += [self.verdict] if self.verdict is not None else []
         out += [self.logprobs] if self.logprobs is not None else []
         out += list(self.top or ())
         return out + list(self.draft or ())
@@ -160,15 +210,22 @@ class Tail:
             raise RequestError(f"request {step.request_id!r}: the drafts are not the tail's")
 
     def launch(
-        self, steps: list[StepRequest], states: list[TailRequest], hidden: mx.array
+        self,
+        steps: list[StepRequest],
+        states: list[TailRequest],
+        hidden: mx.array,
+        inputs: list[mx.array] | None = None,
     ) -> list[TailJob]:
         """Build the step's tail work lazily (tokens, verdicts, the next drafts) and start
         the device on it; `conclude` reads it. Between the two, the caller may build more
-        work on the lazy tokens (`next_input`): the runner's step built ahead."""
+        work on the lazy tokens (`next_input`): the runner's step built ahead, whose tokens
+        are `inputs` (the `steps` hold placeholders until they are read)."""
         normed = self.shard.norm(hidden)
         mtp_input = hidden if self.mtp_reads_prenorm else normed
         offsets = itertools.accumulate((len(s.tokens) for s in steps), initial=0)
         jobs = [TailJob(s, st, o) for s, st, o in zip(steps, states, offsets, strict=False)]
+        for job, tokens in zip(jobs, inputs or (), strict=False):
+            job.inputs = tokens
         self._verify(jobs, normed)
         mtp_jobs = [j for j in jobs if j.state.mtp_cache is not None]
         # The next step's depth, from the verdicts before this one: known before the sync, a
@@ -194,18 +251,27 @@ class Tail:
         return [self._result(job) for job in jobs]
 
     @staticmethod
-    def next_input(job: TailJob) -> mx.array | None:
-        """The token this job's step will emit, still on the device ([1]), where the step
-        after it is fully known once that token is: a plain sampled step (no drafts to verify,
-        none to make, no mask that the token would move). None elsewhere."""
-        step = job.step
-        plain = (
-            job.candidates is not None
-            and step.draft_len == 0
-            and not step.token_masks
-            and job.state.mtp_cache is None
-        )
-        return job.candidates.target[-1:] if plain else None
+    def next_input(job: TailJob) -> NextInput | None:
+        """The step after this job's, where the device alone fixes it: a sampled step with no
+        mask that its tokens would move, and either no MTP (its token is the next step) or
+        greedy MTP at a fixed depth of at most one draft (its last emitted token and its
+        draft, picked on the device by the verdict). None elsewhere: a sampled request's random
+        numbers are keyed by position, which only the verdict fixes, and deeper drafts are
+        chained after it (`conclude`)."""
+        step, state, c = job.step, job.state, job.candidates
+        if c is None or step.token_masks:
+            return None
+        if state.mtp_cache is None:
+            return NextInput(c.target[-1:], 0, 0, None) if step.draft_len == 0 else None
+        if not state.options.sampling.greedy or state.depth.mode == "auto" or job.depth > 1:
+            return None
+        # Greedy: the last token emitted is the target's at the first rejected draft (its
+        # correction), or after the last draft (the bonus).
+        last = c.target[-1:] if job.verdict is None else c.target[job.verdict][None]
+        if job.depth == 0:
+            return NextInput(last, 0, step.draft_len, job.verdict)
+        tokens = mx.concatenate([last, job.draft[0][None].astype(last.dtype)])
+        return NextInput(tokens, 1, step.draft_len, job.verdict)
 
     def _verify(self, jobs: list[TailJob], normed: mx.array) -> None:
         """Logits where a token is due (one matmul), then each request's candidates."""
@@ -222,13 +288,19 @@ class Tail:
             if not job.step.sample:
                 continue
             n = job.step.draft_len + 1
-            drafts = job.step.tokens[job.step.n_confirmed :]
+            drafts = (
+                job.step.tokens[job.step.n_confirmed :]
+                if job.inputs is None
+                else job.tokens(job.step.n_confirmed)
+            )
             params = job.state.options.sampling
             target = log_probs(constrain(logits[row : row + n], job.step.token_masks), params)
-            q = job.state.draft_logprobs[: len(drafts)] if drafts and not params.greedy else None
+            q = job.state.draft_logprobs[: n - 1] if n > 1 and not params.greedy else None
             # Keyed by the position of the first token it decides: a replay draws the same.
             rng = job.state.rng.at(job.step.position + job.step.n_confirmed)
             job.candidates = propose(target, drafts, q, params, rng)
+            if n > 1:  # the drafts accepted: those before the first rejected one
+                job.verdict = mx.cumprod(job.candidates.accept.astype(mx.uint32)).sum()
             if job.state.options.logprobs:
                 job.logprobs = log_probs(logits[row : row + n], _PLAIN)
                 job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
@@ -239,22 +311,21 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         n = len(step.tokens)
         hidden = mtp_input[:, job.offset : job.offset + n]
-        if c is not None:
+        if c is not None:  # (its start is the step's position: set once that is known)
             state.recent_inputs = hidden[:, step.n_confirmed - 1 :]
-            state.recent_start = step.position + step.n_confirmed - 1
         if job.replays:  # a replay's last prefill chunk: the token after it is known
             tokens, pending = _ids((*step.tokens[1:], step.next_token)), None
         elif c is None:  # an intermediate prefill chunk: the last position waits for its token
-            tokens, pending = _ids(step.tokens[1:]), hidden[:, n - 1 :]
+            tokens, pending = job.tokens(1), hidden[:, n - 1 :]
             hidden = hidden[:, : n - 1]
         elif step.draft_len == 0:  # a prompt's last chunk, or a step without a draft
-            tokens, pending = mx.concatenate([_ids(step.tokens[1:]), c.target[-1:]]), None
+            tokens, pending = mx.concatenate([job.tokens(1), c.target[-1:]]), None
         else:  # [y, d1..dk]: each draft or its correction, then the bonus after dk
-            chosen = mx.where(c.accept, _ids(step.tokens[step.n_confirmed :]), c.correction)
+            chosen = mx.where(c.accept, job.tokens(step.n_confirmed), c.correction)
             tokens, pending = mx.concatenate([chosen, c.target[-1:]]), None
         if state.pending_hidden is not None:
             hidden = mx.concatenate([state.pending_hidden, hidden], axis=1)
-            tokens = mx.concatenate([_ids(step.tokens[:1]), tokens])
+            tokens = mx.concatenate([job.tokens(0, 1), tokens])
         state.pending_hidden = pending
         if tokens.size:
             job.mtp_tokens, job.mtp_hidden = tokens, hidden
@@ -286,10 +357,9 @@ class Tail:
             greedy = job.state.options.sampling.greedy
             if step.draft_len:
                 k = step.draft_len
-                accepted = mx.cumprod(job.candidates.accept.astype(mx.uint32)).sum()
-                rows.append(out[0, end - k - 1 : end][accepted])
+                rows.append(out[0, end - k - 1 : end][job.verdict])
                 u = None if greedy else rng.uniform_at(range(first - k, first + 1), DRAFT)
-                uniforms.append(None if u is None else u[accepted])
+                uniforms.append(None if u is None else u[job.verdict])
             else:
                 rows.append(out[0, end - 1])
                 u = None if greedy else rng.uniform_at(range(first, first + 1), DRAFT)
@@ -314,9 +384,12 @@ class Tail:
             return
         job.emitted, job.accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
         job.keep = step.n_confirmed + job.accepted
+        state.recent_start = step.position + step.n_confirmed - 1
         if state.mtp_cache is not None:
             rejected = step.draft_len - job.accepted
-            if rejected:  # the pairs after the rejected draft never happened
+            # The pairs after the rejected draft never happened. (Where a step built ahead
+            # deferred this verdict in the MTP cache, the runner resolves it.)
+            if rejected and state.mtp_cache.deferred is None:
                 state.mtp_cache.rollback(rejected)
             state.depth.record(step.draft_len, job.accepted)
             state.drafts, state.draft_logprobs = (), None

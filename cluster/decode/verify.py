@@ -32,17 +32,18 @@ class Candidates:
 
 def propose(
     target_logprobs: mx.array,
-    drafts: tuple[int, ...],
+    drafts: tuple[int, ...] | mx.array,
     draft_logprobs: mx.array | None,
     params: SamplingParams,
     rng: RequestRandom,
 ) -> Candidates:
     """target_logprobs: [k+1, vocab] at the last confirmed position and each draft;
-    draft_logprobs: [k, vocab], the distributions the drafts were drawn from."""
+    draft_logprobs: [k, vocab], the distributions the drafts were drawn from. `drafts` may
+    still be on the device (a step built before the drafts were read)."""
     target = sample(target_logprobs, params, rng)
-    if not drafts:
+    if len(drafts) == 0:
         return Candidates(target, None, None)
-    d = mx.array(drafts)
+    d = drafts if isinstance(drafts, mx.array) else mx.array(drafts)
     if params.greedy:
         return Candidates(target, target[: len(drafts)] == d, target[: len(drafts)])
     if draft_logprobs is None:

@@ -10,6 +10,17 @@ A batch step computes the GatedDeltaNet states of all its requests as one `[B, .
 Each request keeps its row of it as a `BatchRow`, not sliced out: the batch's next step, when it
 holds the same requests in the same order, takes the batch's array as it is (`stack_rows`), so a
 steady batch pays no per-request gather and scatter in each layer and step.
+
+A step built before the verdict of the step before it is read (`cluster.decode.runner`, steps
+built ahead) finds the caches holding every position of that step, drafts included, and a
+`Verdicts` of how many drafts each request kept, on the device. `defer_verdicts` applies it
+there: a GatedDeltaNet layer takes the state the verdict picks (one `mx.where` per state for
+the batch); an attention cache keeps the rejected drafts' keys as a hole that the new step's
+attention masks out (its positions move back by the drop, `Verdicts.offsets`). Once the host
+reads the verdict, `RequestCache.resolve` closes the hole: the new step's keys move down over
+it. A step built ahead and not asked for is still undone by a `mark` and `restore`: before the
+verdict is read nothing is written below the positions the caches held, and after it only the
+rejected drafts' slots are, which the rollback that the verdict implies drops anyway.
 """
 
 from __future__ import annotations
@@ -102,6 +113,104 @@ def _row_mask(rows: tuple[bool, ...], ndim: int) -> mx.array:
     return mx.array(rows).reshape(len(rows), *([1] * (ndim - 1)))
 
 
+class Verdicts:
+    """How many drafts each request of a step kept, on the device, for the step built after it
+    before the host has read them. Row i is request i of that step; `undecided[i]` its drafts
+    (the verdict keeps 0 to all of them). The masks and offsets derived from it are made once
+    per step and shared by all layers."""
+
+    def __init__(self, accepted: list[mx.array | None], undecided: list[int]):
+        self.undecided = tuple(undecided)
+        kept = mx.stack([mx.array(0, mx.uint32) if a is None else a for a in accepted])
+        # Positions of each request's last step that the verdict drops.
+        self.drop = mx.array(self.undecided, mx.int32) - kept.astype(mx.int32)
+        self._made: dict[tuple, mx.array] = {}
+
+    def _memo(self, key: tuple, make) -> mx.array:
+        if (made := self._made.get(key)) is None:
+            made = self._made[key] = make()
+        return made
+
+    def keeps(self, rows: tuple[int, ...], drafts: int, ndim: int) -> mx.array:
+        """[len(rows), 1, ...]: whether each of `rows` kept `drafts` drafts."""
+        return self._memo(
+            ("keeps", rows, drafts, ndim),
+            lambda: (self.drop[mx.array(rows)] == self.undecided[rows[0]] - drafts).reshape(
+                len(rows), *([1] * (ndim - 1))
+            ),
+        )
+
+    def offsets(self, rows: tuple[int, ...], held: tuple[int, ...]) -> mx.array:
+        """[len(rows)]: where the next positions of `rows` stand, whose caches hold `held`."""
+        return self._memo(
+            ("offsets", rows, held), lambda: mx.array(held) - self.drop[mx.array(rows)]
+        )
+
+    def mask(self, row: int, hole_end: int, length: int) -> mx.array:
+        """[length, hole_end + length]: which keys each of a step's `length` positions sees,
+        its request's cache having held `hole_end` positions before it: all but the hole of
+        the rejected drafts before `hole_end`, and its own step causally."""
+
+        def make() -> mx.array:
+            keys = mx.arange(hole_end + length)[None]
+            queries = mx.arange(length)[:, None]
+            before_hole = keys < hole_end - self.drop[row]
+            return before_hole | ((keys >= hole_end) & (keys <= hole_end + queries))
+
+        return self._memo(("mask", row, hole_end, length), make)
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A request's caches waiting for the verdict of its last step: row `row` of `verdicts`.
+    `hole_end` is the positions the caches held when it was deferred."""
+
+    verdicts: Verdicts
+    row: int
+    hole_end: int
+
+
+def defer_verdicts(caches: list[RequestCache], verdicts: Verdicts, rows: list[int]) -> None:
+    """Apply, on the device, each cache's share of `verdicts` (`rows[i]` is cache i's row):
+    see the module's docstring. Before the step that follows."""
+    by_drafts: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        caches[i].deferred = Deferred(verdicts, row, caches[i].position)
+        if verdicts.undecided[row]:
+            by_drafts.setdefault(verdicts.undecided[row], []).append(i)
+    for drafts, members in by_drafts.items():
+        group = [caches[i] for i in members]
+        group_rows = tuple(rows[i] for i in members)
+        for slot, layer in enumerate(group[0].layers):
+            if isinstance(layer, KVCache):
+                continue
+            for part in (0, 1):  # conv state, recurrent state
+                _select_kept(group, group_rows, slot, part, drafts, verdicts)
+
+
+def _select_kept(
+    group: list[RequestCache],
+    rows: tuple[int, ...],
+    slot: int,
+    part: int,
+    drafts: int,
+    verdicts: Verdicts,
+) -> None:
+    """Layer `slot`'s state `part` of each cache of `group` (all with `drafts` undecided
+    drafts) as the verdict leaves it: after the last step, or its snapshot at the kept length."""
+    current = [c.layers[slot][part] for c in group]
+    like = current[0].batch if isinstance(current[0], BatchRow) else current[0]
+    shape = (1, *like.shape[1:])
+    chosen = stack_rows(current, shape, like.dtype)
+    confirmed = group[0].last_step_len - drafts
+    for kept in range(drafts):
+        snapshots = [c.snapshots[slot][confirmed + kept][part] for c in group]
+        stacked = stack_rows(snapshots, shape, chosen.dtype)
+        chosen = mx.where(verdicts.keeps(rows, kept, chosen.ndim), stacked, chosen)
+    for cache, state in zip(group, batch_rows(chosen), strict=True):
+        cache.layers[slot][part] = state
+
+
 def make_layer_cache(is_linear: bool) -> LayerCache:
     return ArraysCache(size=2) if is_linear else KVCache()
 
@@ -119,6 +228,9 @@ class RequestCache:
     snapshots: dict[int, dict[int, tuple[mx.array, mx.array]]] = field(default_factory=dict)
     last_step_len: int = 0
     position: int = 0  # positions held in the caches
+    # A verdict applied on the device, not yet read (`defer_verdicts`): until `resolve`,
+    # `position` counts the positions its hole will give back.
+    deferred: Deferred | None = None
 
     @classmethod
     def for_layers(cls, linear_flags: list[bool]) -> RequestCache:
@@ -155,6 +267,24 @@ class RequestCache:
         self.last_step_len = keep
         self.position -= drop
 
+    def resolve(self, drop: int) -> None:
+        """The deferred verdict, read: it dropped `drop` positions. The step after it wrote its
+        keys past the hole of the rejected drafts; they move down over it."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None or drop == 0:
+            return
+        start, end = deferred.hole_end - drop, deferred.hole_end
+        length = self.position - end
+        for cache in self.layers:
+            if isinstance(cache, KVCache):
+                # Copied first (`* 1`, exact): the source overlaps the destination.
+                keys = cache.keys[..., end : end + length, :] * 1
+                values = cache.values[..., end : end + length, :] * 1
+                cache.keys[..., start : start + length, :] = keys
+                cache.values[..., start : start + length, :] = values
+                cache.offset -= drop
+        self.position -= drop
+
     def discard(self, drop: int) -> None:
         """Drop the last `drop` positions of attention-only caches (the MTP head's), whatever
         steps added them: the entries that chained drafts wrote, which no verdict confirms."""
@@ -186,6 +316,7 @@ class RequestCache:
                 cache[0], cache[1] = held
         self.position, self.last_step_len = mark.position, mark.last_step_len
         self.snapshots = dict(mark.snapshots)
+        self.deferred = None
 
     def record_snapshot(self, layer: int, keep: int, conv: RowState, state: RowState) -> None:
         self.snapshots.setdefault(layer, {})[keep] = (conv, state)
@@ -229,3 +360,13 @@ class CacheMark:
     last_step_len: int
     snapshots: dict[int, dict[int, tuple[mx.array, mx.array]]]
     layers: tuple[LayerMark, ...]
+
+    def trimmed(self, drop: int) -> CacheMark:
+        """This mark of attention-only caches (the MTP head's) less its last `drop` positions."""
+        if drop == 0:
+            return self
+        if not all(isinstance(held, int) for held in self.layers):
+            raise ValueError("only attention caches can be trimmed")
+        layers = tuple(held - drop for held in self.layers)
+        last = max(self.last_step_len - drop, 0)
+        return CacheMark(self.position - drop, last, {}, layers)

@@ -304,11 +304,22 @@ class PackedAttention(Attention):
             q, k, v = (t.reshape(batch, length, *t.shape[2:]) for t in (q, k, v))
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         caches = [seg.cache.layers[slot] for seg in segments]
-        offset = caches[0].offset if batch == 1 else _offsets(tuple(c.offset for c in caches))
+        deferred = [seg.cache.deferred for seg in segments]
+        if deferred[0] is not None:  # a step built before the last one's verdict was read
+            offset = deferred[0].verdicts.offsets(
+                tuple(d.row for d in deferred), tuple(c.offset for c in caches)
+            )
+        elif batch == 1:
+            offset = caches[0].offset
+        else:
+            offset = _offsets(tuple(c.offset for c in caches))
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        mask = "causal" if length > 1 else None
+        causal = "causal" if length > 1 else None
         outs = []
-        for row, cache in enumerate(caches):
+        for row, (cache, held) in enumerate(zip(caches, deferred, strict=True)):
+            mask = causal
+            if held is not None and held.verdicts.undecided[held.row]:
+                mask = held.verdicts.mask(held.row, held.hole_end, length)
             keys, values = cache.update_and_fetch(_row(k, row), _row(v, row))
             outs.append(
                 scaled_dot_product_attention(
