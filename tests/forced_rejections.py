@@ -85,11 +85,13 @@ class ForcedRejections:
         )
 
     def settle(self, runners: list[ShardRunner]) -> None:
-        """Apply the last step's pending rollback on every shard and drop the MTP cache's
-        chained-draft entries: what the next step would do before computing anything."""
+        """Undo any step built ahead, apply the last step's pending rollback on every shard and
+        drop the MTP cache's chained-draft entries: what the next step would do before
+        computing anything."""
         for run_id in self.held:
             step, result = self.last[run_id]
             for runner in runners:
+                runner.settle(run_id)
                 if len(step.tokens) > result.keep:
                     runner.rollback(run_id, len(step.tokens) - result.keep)
                 tail = runner.requests[run_id].tail
