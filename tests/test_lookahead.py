@@ -31,6 +31,7 @@ async def _generate(
     local = await open_local_engine(model_dir, mtp=mtp)
     (runner,) = local.runners
     runner.lookahead = lookahead
+    runner.mtp_lookahead = True  # whatever the backend's default
     try:
         if concurrent:
             outs = await asyncio.gather(*(local.engine.generate(r) for r in requests))
@@ -217,7 +218,8 @@ def test_an_mtp_step_built_on_a_rejection_leaves_no_trace(mtp_shard, tokenizer, 
     ahead, once the rollback that each request's last step still owes is applied (a rejected
     draft's slot is dead from the verdict on: a step built ahead may have moved keys over it)."""
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
-    ahead, plain = ShardRunner(mtp_shard), ShardRunner(mtp_shard, lookahead=False)
+    ahead = ShardRunner(mtp_shard, mtp_lookahead=True)
+    plain = ShardRunner(mtp_shard, lookahead=False)
     owed: dict[str, int] = {}
 
     def both(steps: list[StepRequest]) -> list:

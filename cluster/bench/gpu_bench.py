@@ -1068,8 +1068,7 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         "one_process_on_over_off": ("local_on", "local_off"),
         "one_process_lookahead_on_over_off": ("local_off", "local_off_no_lookahead"),
         "one_process_no_lookahead_over_mlx_lm": ("local_off_no_lookahead", "mlx_lm"),
-        "one_process_on_lookahead_on_over_off": ("local_on", "local_on_no_lookahead"),
-        "one_process_on_no_lookahead_over_mlx_lm": ("local_on_no_lookahead", "mlx_lm"),
+        "one_process_mtp_ahead_over_waiting": ("local_on_mtp_ahead", "local_on_mtp_waits"),
     }
     if args.paired_nodes:
         ratios |= {
@@ -1119,17 +1118,19 @@ async def _paired_round(
     row["local_off"] = off["median_tps"]
     row["local_engine_over_steps"] = off["engine_over_steps"]
     with _oracle(0.7):
-        on = await engine_decode(local, prompt, args.tokens, 1, True)
-        row["local_on"] = on["median_tps"]
-        row["local_engine_over_steps_on"] = on["engine_over_steps"]
-        # MTP on without steps built ahead: what building the step after a verdict, before
-        # it is read, buys.
-        runner.lookahead = False
+        # MTP on with steps built before the verdict is read and without (`mtp_lookahead`);
+        # the backend's default of the two is `local_on`.
+        default = runner.mtp_lookahead
         try:
-            on = await engine_decode(local, prompt, args.tokens, 1, True)
+            for ahead in (True, False):
+                runner.mtp_lookahead = ahead
+                on = await engine_decode(local, prompt, args.tokens, 1, True)
+                row["local_on_mtp_ahead" if ahead else "local_on_mtp_waits"] = on["median_tps"]
+                if ahead == default:
+                    row["local_on"] = on["median_tps"]
+                    row["local_engine_over_steps_on"] = on["engine_over_steps"]
         finally:
-            runner.lookahead = lookahead
-        row["local_on_no_lookahead"] = on["median_tps"]
+            runner.mtp_lookahead = default
     row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
     if remote is None:
         return row
@@ -1587,9 +1588,9 @@ def summarize(report: dict) -> None:
             f"  steps built ahead: MTP off {r['one_process_lookahead_on_over_off']:.2f}x without "
             f"them; without them / mlx-lm {r['one_process_no_lookahead_over_mlx_lm']:.2f}x, "
             f"engine / its own steps {r['one_process_engine_over_steps_no_lookahead']:.3f}x; "
-            f"MTP on {r['one_process_on_lookahead_on_over_off']:.2f}x without them (without "
-            f"them / mlx-lm {r['one_process_on_no_lookahead_over_mlx_lm']:.2f}x), engine / its "
-            f"own steps {r['one_process_on_engine_over_its_steps']:.3f}x"
+            f"MTP on built before the verdict / waiting for it "
+            f"{r['one_process_mtp_ahead_over_waiting']:.2f}x; engine MTP on / its own steps "
+            f"{r['one_process_on_engine_over_its_steps']:.3f}x"
         )
         if n:
             lines.append(

@@ -251,19 +251,20 @@ class Tail:
         return [self._result(job) for job in jobs]
 
     @staticmethod
-    def next_input(job: TailJob) -> NextInput | None:
+    def next_input(job: TailJob, before_verdict: bool = True) -> NextInput | None:
         """The step after this job's, where the device alone fixes it: a sampled step with no
-        mask that its tokens would move, and either no MTP (its token is the next step) or
-        greedy MTP at a fixed depth of at most one draft (its last emitted token and its
-        draft, picked on the device by the verdict). None elsewhere: a sampled request's random
-        numbers are keyed by position, which only the verdict fixes, and deeper drafts are
-        chained after it (`conclude`)."""
+        mask that its tokens would move, and either no MTP (its token is the next step) or,
+        `before_verdict`, greedy MTP at a fixed depth of at most one draft (its last emitted
+        token and its draft, picked on the device by the verdict). None elsewhere: a sampled
+        request's random numbers are keyed by position, which only the verdict fixes, and
+        deeper drafts are chained after it (`conclude`)."""
         step, state, c = job.step, job.state, job.candidates
         if c is None or step.token_masks:
             return None
         if state.mtp_cache is None:
             return NextInput(c.target[-1:], 0, 0, None) if step.draft_len == 0 else None
-        if not state.options.sampling.greedy or state.depth.mode == "auto" or job.depth > 1:
+        greedy = state.options.sampling.greedy
+        if not before_verdict or not greedy or state.depth.mode == "auto" or job.depth > 1:
             return None
         # Greedy: the last token emitted is the target's at the first rejected draft (its
         # correction), or after the last draft (the bonus).
