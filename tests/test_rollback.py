@@ -63,11 +63,14 @@ def test_rejected_draft_is_undone_exactly(shard, tokenizer, signal: str) -> None
     nxt = StepRequest("r", (plain.tokens[0],), n + 1)
     if signal == "standalone":
         assert drafted.rollback("r", 1) == n + 1
+        clean.settle()  # (the step built ahead of its next one)
         _assert_same_caches(drafted.requests["r"].cache, clean.requests["r"].cache)
         carried = nxt
     else:  # the signal rides on the next step and is applied before computing it
         carried = StepRequest("r", nxt.tokens, nxt.position, rollback=1)
     assert drafted.run([carried]).results == clean.run([nxt]).results
+    drafted.settle()
+    clean.settle()
     _assert_same_caches(drafted.requests["r"].cache, clean.requests["r"].cache)
     _assert_same_caches(drafted.requests["r"].tail.mtp_cache, clean.requests["r"].tail.mtp_cache)
 
