@@ -1169,6 +1169,21 @@ async def _paired_concurrency(
             over_one.append(batch["aggregate_tps"] / one["median_tps"])
         out["one_process_over_one_request"] = median(over_one)
         out["one_process_runs_over_one_request"] = over_one
+        # The batch with MTP steps built before their verdicts and waiting for them, in turn.
+        runner = local.pipeline.runners[0]
+        default, ahead_over_waiting = runner.mtp_lookahead, []
+        try:
+            for _ in range(2):
+                tps = {}
+                for ahead in (True, False):
+                    runner.mtp_lookahead = ahead
+                    await concurrent_decode(local, prompt, WARM_BATCH_TOKENS, args.concurrent)
+                    batch = await concurrent_decode(local, prompt, args.tokens, args.concurrent)
+                    tps[ahead] = batch["aggregate_tps"]
+                ahead_over_waiting.append(tps[True] / tps[False])
+        finally:
+            runner.mtp_lookahead = default
+        out["one_process_mtp_ahead_over_waiting"] = median(ahead_over_waiting)
     if not addresses:
         return out
     settings = {"micro_batched": None, "one_batch": 1}
@@ -1606,7 +1621,8 @@ def summarize(report: dict) -> None:
             lines.append(
                 f"  {c['requests']} concurrent MTP on in one process: "
                 f"{median(c['one_process']):.1f} tok/s, "
-                f"{c['one_process_over_one_request']:.2f}x one request"
+                f"{c['one_process_over_one_request']:.2f}x one request; MTP steps built "
+                f"before their verdicts / waiting {c['one_process_mtp_ahead_over_waiting']:.2f}x"
             )
         if c and (over := c.get("nodes_over_one_request")):
             s["paired"]["concurrent_over_one_request"] = over
