@@ -1,12 +1,21 @@
-"""A request's GatedDeltaNet state kept as its row of a batch step's arrays (`BatchRow`), and
-the stacking of those rows for the next batch step (`stack_rows`)."""
+"""A request's GatedDeltaNet state kept as its row of a batch step's arrays (`BatchRow`), the
+stacking of those rows for the next batch step (`stack_rows`), and a verdict taken on the
+device before it is read (`defer_verdicts`, `RequestCache.resolve`)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from cluster.model.cache import BatchRow, RequestCache, batch_rows, own, stack_rows
+from cluster.model.cache import (
+    BatchRow,
+    RequestCache,
+    Verdicts,
+    batch_rows,
+    defer_verdicts,
+    own,
+    stack_rows,
+)
 
 SHAPE = (1, 3, 4)
 
@@ -77,3 +86,71 @@ def test_a_row_handed_out_does_not_keep_its_batch() -> None:
     del conv, expected
     freed = before - mx.get_active_memory()
     assert 2 << 20 <= freed < 3 << 20  # the row and its copy, not the batch's 8 rows
+
+
+# ---- a verdict taken on the device (`defer_verdicts`), then read (`resolve`) ----
+
+HEADS, DIM = 2, 4
+
+
+def _stepped(seed: int, held: int) -> RequestCache:
+    """A cache of one GatedDeltaNet layer and one attention layer after a step [y, d] at
+    positions held-2, held-1 (a snapshot after y kept), before the verdict on d is read."""
+    key = mx.random.key(seed)
+    cache = RequestCache.for_layers([True, False])
+    gdn, attention = cache.layers
+    gdn[0], gdn[1] = _batch(seed, size=1), _batch(seed + 100, size=1)  # after [y, d]
+    cache.record_snapshot(0, 1, _batch(seed + 200, size=1), _batch(seed + 300, size=1))
+    keys = mx.random.normal((1, HEADS, held, DIM), key=key)
+    attention.update_and_fetch(keys, keys * 2)
+    cache.last_step_len, cache.position = 2, held
+    return cache
+
+
+def test_a_deferred_verdict_selects_the_states_and_masks_the_rejected_draft() -> None:
+    """Request 0 rejected its draft, request 1 accepted it: each GatedDeltaNet state is the
+    snapshot or the step's; the next step's positions move back by the drop, and request 0's
+    mask hides the rejected draft's key."""
+    held = 6
+    caches = [_stepped(0, held), _stepped(1, held)]
+    expected = [caches[0].snapshots[0][1], (caches[1].layers[0][0], caches[1].layers[0][1])]
+    verdicts = Verdicts([mx.array(0, mx.uint32), mx.array(1, mx.uint32)], [1, 1])
+    defer_verdicts(caches, verdicts, [0, 1])
+    for cache, (conv, state) in zip(caches, expected, strict=True):
+        assert mx.array_equal(own(cache.layers[0][0]), own(conv))
+        assert mx.array_equal(own(cache.layers[0][1]), own(state))
+        assert cache.deferred is not None and cache.deferred.hole_end == held
+    assert verdicts.offsets((0, 1), (held, held)).tolist() == [held - 1, held]
+    # The next step's 2 positions go to slots 6 and 7; request 0's slot 5 is the hole.
+    rejected, accepted = verdicts.mask(0, held, 2).tolist(), verdicts.mask(1, held, 2).tolist()
+    assert rejected == [[1, 1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1, 1]]
+    assert accepted == [[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]]
+
+
+def test_resolve_moves_the_next_steps_keys_over_the_hole() -> None:
+    held = 6
+    cache = _stepped(2, held)
+    before = cache.layers[1].keys[..., :held, :]
+    defer_verdicts([cache], Verdicts([mx.array(0, mx.uint32)], [1]), [0])
+    cache.begin_step(0, 2)  # the step built ahead writes its keys at slots 6, 7
+    new = mx.random.normal((1, HEADS, 2, DIM), key=mx.random.key(9))
+    cache.layers[1].update_and_fetch(new, new * 2)
+    cache.resolve(1)
+    attention = cache.layers[1]
+    assert cache.deferred is None and cache.position == attention.offset == held + 1
+    assert mx.array_equal(attention.keys[..., : held - 1, :], before[..., : held - 1, :])
+    assert mx.array_equal(attention.keys[..., held - 1 : held + 1, :], new)
+    assert mx.array_equal(attention.values[..., held - 1 : held + 1, :], new * 2)
+
+
+def test_an_undone_deferral_restores_every_state() -> None:
+    held = 6
+    cache = _stepped(3, held)
+    mark = cache.mark()
+    gdn = (cache.layers[0][0], cache.layers[0][1])
+    defer_verdicts([cache], Verdicts([mx.array(0, mx.uint32)], [1]), [0])
+    cache.begin_step(0, 2)
+    cache.restore(mark)
+    assert cache.deferred is None and cache.position == held and cache.last_step_len == 2
+    assert cache.layers[0][0] is gdn[0] and cache.layers[0][1] is gdn[1]
+    assert cache.layers[1].offset == held and 1 in cache.snapshots[0]

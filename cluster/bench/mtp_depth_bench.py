@@ -5,9 +5,11 @@
 Part 1, end to end. The in-process engine decodes the code prompts of cluster.bench.common
 (the style of the model's training text, none of them the tests' prompts) greedily, stop
 tokens ignored, once per variant per round, variants interleaved in a shuffled order:
-`off` (the request's `mtp` off), depths 0..4 (depth 0 feeds the MTP head but never drafts)
-and `auto`. Decode tokens/s is tokens after the first over the time after the first, by wall
-clock and by process CPU time; ratios over `off` are medians of per-(round, prompt) ratios.
+`off` (the request's `mtp` off), depths 0..4 (depth 0 feeds the MTP head but never drafts),
+`auto`, and `1-waits`: depth 1 with each step waiting for its verdict before the next one is
+built (`ShardRunner.mtp_lookahead` off; `1` is the backend's default). Decode tokens/s is
+tokens after the first over the time after the first, by wall clock and by process CPU time;
+ratios over `off` are medians of per-(round, prompt) ratios.
 Acceptance by depth: accepted / drafted, tokens per decode step, and the conditional rate at
 each draft position (the chance that draft i passes when the drafts before it did).
 
@@ -52,11 +54,12 @@ from cluster.bench.common import (
     write_json,
 )
 from cluster.decode.engine import GenerationEngine, GenerationRequest
-from cluster.decode.runner import ShardRunner
+from cluster.decode.runner import ShardRunner, mtp_lookahead_default
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, StepRequest
 
-VARIANTS = ("off", "0", "1", "2", "3", "4", "auto")
+WAITING = "1-waits"
+VARIANTS = ("off", "0", "1", WAITING, "2", "3", "4", "auto")
 MAX_POSITIONS = 9
 # Qwen3.5-27B at 4 bits (BENCHMARKS.md, GPU run A): a plain step reads 13.70 GB of layers
 # and 0.72 GB of lm_head over 64 layers; an MTP link reads one layer's share and the lm_head.
@@ -80,7 +83,9 @@ class Run:
 def _options(variant: str) -> RequestOptions:
     if variant == "off":
         return RequestOptions(mtp=False)
-    return RequestOptions(mtp_depth="auto" if variant == "auto" else int(variant))
+    if variant == "auto":
+        return RequestOptions(mtp_depth="auto")
+    return RequestOptions(mtp_depth=int(variant.split("-")[0]))
 
 
 async def _decode(engine: GenerationEngine, ids, variant: str, max_tokens: int) -> Run:
@@ -104,15 +109,22 @@ async def measure_runs(model_dir: Path, prompts, rounds: int, max_tokens: int) -
     local = await open_local_engine(model_dir, mtp=True)
     order = random.Random(13)
     runs: list[Run] = []
+    ahead = mtp_lookahead_default()
+
+    async def decode(ids, variant: str, max_tokens: int) -> Run:
+        for runner in local.runners:
+            runner.mtp_lookahead = ahead and variant != WAITING
+        return await _decode(local.engine, ids, variant, max_tokens)
+
     try:
         for variant in VARIANTS:  # warm-up: compile and allocate
-            await _decode(local.engine, prompts[0], variant, 8)
+            await decode(prompts[0], variant, 8)
         for r in range(rounds):
             for p, ids in enumerate(prompts):
                 variants = list(VARIANTS)
                 order.shuffle(variants)
                 for variant in variants:
-                    run = await _decode(local.engine, ids, variant, max_tokens)
+                    run = await decode(ids, variant, max_tokens)
                     runs.append(Run(**{**asdict(run), "round": r, "prompt": p}))
             print(f"round {r + 1}/{rounds} done", flush=True)
     finally:

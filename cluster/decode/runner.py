@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
 from cluster.decode.step_cost import StepCost
-from cluster.decode.tail import Tail, TailJob, TailMark, TailRequest
+from cluster.decode.tail import NextInput, Tail, TailJob, TailMark, TailRequest
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
 from cluster.model.cache import CacheMark, RequestCache, Verdicts, defer_verdicts
 from cluster.model.layers import Segment
@@ -95,7 +95,7 @@ class _Ahead:
     runnable: list[Runnable]
     jobs: list[TailJob]
     marks: list[CacheMark]
-    tail_marks: list[TailMark | None]
+    tail_marks: list[TailMark]
     undecided: list[int]
     steps: list[StepRequest] = field(default_factory=list)
 
@@ -231,8 +231,22 @@ class ShardRunner:
         except CacheBudgetError:
             return None  # the engine's own step will say so
         marks = [state.cache.mark() for state in states]
-        tail_marks = [state.tail.mark() if state.tail else None for state in states]
+        tail_marks = [state.tail.mark() for state in states]
         undecided = [following.undecided for following in nexts]
+        try:
+            ahead, jobs = self._launch_ahead(runnable, nexts, undecided)
+        except BaseException:
+            for state, mark, tail_mark in zip(states, marks, tail_marks, strict=True):
+                state.cache.restore(mark)
+                state.tail.restore(tail_mark)
+            raise
+        return _Ahead(ahead, jobs, marks, tail_marks, undecided)
+
+    def _launch_ahead(
+        self, runnable: list[Runnable], nexts: list[NextInput], undecided: list[int]
+    ) -> tuple[list[Runnable], list[TailJob]]:
+        """`_start_ahead`'s build: the verdicts taken on the device, the batch, its tail."""
+        states = [state for _, _, state in runnable]
         if any(undecided):
             verdicts = Verdicts([following.accepted for following in nexts], undecided)
             defer_verdicts([state.cache for state in states], verdicts, list(range(len(states))))
@@ -257,13 +271,12 @@ class ShardRunner:
         out = self.shard(self.shard.embed(mx.concatenate(tokens)[None]), segments)
         steps = [step for _, step, _ in ahead]
         jobs = self.tail.launch(steps, [state.tail for state in states], out, tokens)
-        return _Ahead(ahead, jobs, marks, tail_marks, undecided)
+        return ahead, jobs
 
     def _read_verdicts(self, ahead: _Ahead, jobs: list[TailJob]) -> _Ahead | None:
         """The verdicts of the batch that `ahead` follows, read: resolve the caches that took
-        them on the device. Where the host decided otherwise than the device (a verdict
-        replaced, as the benchmark's acceptance oracle does), the batch built on the device's is
-        undone instead."""
+        them on the device. Where the host decided otherwise than the device (a decision
+        replaced on the host alone), the batch built on the device's is undone instead."""
         drops = [k - job.accepted for k, job in zip(ahead.undecided, jobs, strict=True)]
         if any(job.verdict is not None and job.verdict.item() != job.accepted for job in jobs):
             self._undo(ahead)
@@ -299,8 +312,7 @@ class ShardRunner:
             ahead.runnable, ahead.marks, ahead.tail_marks, strict=True
         ):
             state.cache.restore(mark)
-            if tail_mark is not None:
-                state.tail.restore(tail_mark)
+            state.tail.restore(tail_mark)
 
     def settle(self, request_id: str | None = None) -> None:
         """Undo the batch built ahead if it holds `request_id` (None: whatever it holds):
