@@ -47,7 +47,7 @@ RELEASED_MEMORY = 4096  # released request ids remembered, to refuse their late 
 
 def mtp_lookahead_default() -> bool:
     """Whether MTP steps are built ahead of their verdict by default. On the CPU it took the
-    bundled model's MTP on/off from 1.08x to 1.19x (BENCHMARKS.md). On an H100 (27B shape,
+    bundled model's MTP on/off from 1.09x to 1.19x (BENCHMARKS.md). On an H100 (27B shape,
     4 bits) it measured 0.94x of waiting for the verdict with one request and 0.72x with 8
     concurrent ones: the device pays for the masked attention and the selected states, and
     there is less host time to hide. Metal is not measured: off there as on CUDA."""
