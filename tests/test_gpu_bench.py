@@ -43,7 +43,8 @@ def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
 
 def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     """The paired phase: one process, mlx-lm and 2 node processes loaded at once, one round,
-    then concurrent requests over the nodes micro-batched and in one batch."""
+    then concurrent requests in one process (MTP steps built before their verdicts and
+    waiting, in turn) and over the nodes micro-batched and in one batch."""
     stdout, report = _tiny_run(
         tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1",
         "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2",
@@ -52,6 +53,8 @@ def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
     assert all(value > 0 for value in paired["ratios"].values())
     assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
+    assert paired["ratios"]["one_process_mtp_ahead_over_waiting"] > 0
+    assert paired["concurrent"]["one_process_mtp_ahead_over_waiting"] > 0
     runs = paired["concurrent"]["nodes_runs_over_one_request"]
     assert [len(runs["micro_batched"]), len(runs["one_batch"])] == [2, 2]
     assert "side by side, median of 1 rounds' ratios" in stdout
