@@ -131,20 +131,24 @@ class Verdicts:
             made = self._made[key] = make()
         return made
 
+    def drops(self, rows: tuple[int, ...]) -> mx.array:
+        """[len(rows)]: the drop of each of `rows` (all of them in order: `drop` as it is)."""
+        if rows == tuple(range(len(self.undecided))):
+            return self.drop
+        return self._memo(("drops", rows), lambda: self.drop[mx.array(rows)])
+
     def keeps(self, rows: tuple[int, ...], drafts: int, ndim: int) -> mx.array:
         """[len(rows), 1, ...]: whether each of `rows` kept `drafts` drafts."""
         return self._memo(
             ("keeps", rows, drafts, ndim),
-            lambda: (self.drop[mx.array(rows)] == self.undecided[rows[0]] - drafts).reshape(
+            lambda: (self.drops(rows) == self.undecided[rows[0]] - drafts).reshape(
                 len(rows), *([1] * (ndim - 1))
             ),
         )
 
     def offsets(self, rows: tuple[int, ...], held: tuple[int, ...]) -> mx.array:
         """[len(rows)]: where the next positions of `rows` stand, whose caches hold `held`."""
-        return self._memo(
-            ("offsets", rows, held), lambda: mx.array(held) - self.drop[mx.array(rows)]
-        )
+        return self._memo(("offsets", rows, held), lambda: mx.array(held) - self.drops(rows))
 
     def mask(self, row: int, hole_end: int, length: int) -> mx.array:
         """[length, hole_end + length]: which keys each of a step's `length` positions sees,
