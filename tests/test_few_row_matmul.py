@@ -1,4 +1,5 @@
-"""The few-row quantized matmul (`cluster.model.few_row_matmul`).
+"""The few-row quantized matmul (`cluster.model.few_row_matmul`) and, for a batch's 4 to 32
+rows at 4 bits, the tensor-core one (`cluster.model.tensor_core_matmul`).
 
 Everywhere: which linear maps take it, that they keep their arrays, and that with the kernel
 off they compute exactly what `nn.QuantizedLinear` does. Where MLX runs on CUDA (the kernel
@@ -25,7 +26,7 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestOptions
-from cluster.model import few_row_matmul
+from cluster.model import few_row_matmul, tensor_core_matmul
 from cluster.model.convert import convert
 from cluster.model.few_row_matmul import (
     FewRowQuantizedLinear,
@@ -33,6 +34,7 @@ from cluster.model.few_row_matmul import (
     use_few_row_kernel,
 )
 from cluster.model.loading import load_shard
+from cluster.model.tensor_core_matmul import tensor_core_quantized_matmul
 
 on_cuda = pytest.mark.skipif(
     not few_row_matmul.available(), reason="the kernel runs on MLX's CUDA backend only"
@@ -154,15 +156,69 @@ def test_each_row_is_computed_alone() -> None:
         assert mx.array_equal(matmul(x[:rows]), alone[:rows]), rows
 
 
+@pytest.mark.parametrize(
+    ("rows", "width", "dtype", "says"),
+    [(33, 128, mx.bfloat16, "1 to 32 rows"), (8, 128, mx.float32, "2-byte floats"),
+     (8, 64, mx.bfloat16, "do not fit")],
+)  # fmt: skip
+def test_the_tensor_core_kernel_refuses_what_it_cannot_compute(rows, width, dtype, says) -> None:
+    layer = _quantized(128, 16)
+    with pytest.raises(ValueError, match=says):
+        tensor_core_quantized_matmul(
+            mx.zeros((rows, width), dtype), layer.weight, layer.scales, layer.biases,
+            group_size=64,
+        )  # fmt: skip
+
+
 @on_cuda
-def test_layers_take_the_kernel_for_few_rows_only() -> None:
+@pytest.mark.parametrize(
+    ("dtype", "group_size"),
+    [(mx.bfloat16, 32), (mx.bfloat16, 64), (mx.bfloat16, 128), (mx.float16, 64)],
+)
+def test_tensor_core_kernel_matches_a_float32_reference(dtype, group_size: int) -> None:
+    mx.random.seed(2)
+    # 301 outputs: the last block's 16 columns run past the end.
+    layer = _quantized(1152, 301, group_size=group_size)
+    layer.update({k: v.astype(dtype) for k, v in layer.items() if k != "weight"})
+    arrays = (layer.weight, layer.scales, layer.biases)
+    for rows in (4, 5, 8, 13, 16, 32):
+        x = mx.random.normal((rows, 1152)).astype(dtype)
+        ours = tensor_core_quantized_matmul(x, *arrays, group_size=group_size)
+        ours, mlx = ours.astype(mx.float32), layer(x).astype(mx.float32)
+        exact = _reference(x, layer)
+        scale = mx.abs(exact).max().item()
+        assert ours.shape == mlx.shape == (rows, 301)
+        # The weights dequantized to 16-bit floats, as MLX's GEMM does: within a few of their
+        # relative steps of the exact sums.
+        assert mx.abs(ours - exact).max().item() <= 2**-6 * scale, rows
+        assert mx.abs(ours - mlx).max().item() <= 2**-6 * scale, rows
+
+
+@on_cuda
+def test_the_tensor_core_kernels_rows_are_computed_alone() -> None:
+    mx.random.seed(3)
+    layer = _quantized(2048, 512)
+    arrays = (layer.weight, layer.scales, layer.biases)
+    x = mx.random.normal((32, 2048)).astype(mx.bfloat16)
+    everything = tensor_core_quantized_matmul(x, *arrays, group_size=64)
+    for rows in (4, 7, 8, 9, 16, 31):
+        ours = tensor_core_quantized_matmul(x[:rows], *arrays, group_size=64)
+        assert mx.array_equal(ours, everything[:rows]), rows
+
+
+@on_cuda
+def test_layers_take_the_kernels_by_rows() -> None:
     layer = _quantized(1024, 64)
     fast = FewRowQuantizedLinear.like(layer)
-    for rows in range(1, 9):
+    arrays = (layer.weight, layer.scales, layer.biases)
+    for rows in range(1, 35):
         x = mx.random.normal((1, rows, 1024)).astype(mx.bfloat16)
-        arrays = (layer.weight, layer.scales, layer.biases)
-        kernel = few_row_quantized_matmul(x[0], *arrays, group_size=64, bits=4)[None]
-        expected = kernel if rows <= few_row_matmul.MAX_ROWS else layer(x)
+        if rows <= few_row_matmul.MAX_ROWS:
+            expected = few_row_quantized_matmul(x[0], *arrays, group_size=64, bits=4)[None]
+        elif rows <= tensor_core_matmul.MAX_ROWS:
+            expected = tensor_core_quantized_matmul(x[0], *arrays, group_size=64)[None]
+        else:
+            expected = layer(x)
         assert mx.array_equal(fast(x), expected), rows
 
 

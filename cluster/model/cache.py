@@ -1,6 +1,7 @@
 """Per-request caches of a shard's layers, with the snapshots that make a draft undoable.
 
-A full-attention layer keeps mlx-lm's `KVCache`: undoing positions is a trim of its offset.
+A full-attention layer keeps mlx-lm's `KVCache` (as `SlabRowCache`, whose keys may be a row of
+a batch's buffer: cluster.model.kv_slab): undoing positions is a trim of its offset.
 A GatedDeltaNet layer keeps mlx-lm's `ArraysCache` (conv state, recurrent state): its state
 folds every position in, so it cannot be trimmed; instead, while a step carries drafts, the
 layer records its state after each confirmed prefix (`record_snapshot`) and a rejection
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
+
+from cluster.model.kv_slab import SlabRowCache, visible
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,20 @@ class Verdicts:
 
         return self._memo(("mask", row, hole_end, length), make)
 
+    def visible(
+        self, rows: tuple[int, ...], hole_ends: tuple[int, ...], held: tuple[int, ...], length: int
+    ) -> mx.array:
+        """[len(rows), 1, length, end]: `kv_slab.visible` for a step whose requests' rows of a
+        slab stand at `held`, less each row's hole of rejected drafts before `hole_ends`."""
+
+        def make() -> mx.array:
+            keys = mx.arange(max(held) + length)[None]
+            ends = mx.array(hole_ends)[:, None]
+            hole = (keys >= ends - self.drops(rows)[:, None]) & (keys < ends)
+            return visible(held, length) & ~hole[:, None, None, :]
+
+        return self._memo(("visible", rows, hole_ends, held, length), make)
+
 
 @dataclass(frozen=True, slots=True)
 class Deferred:
@@ -216,7 +233,7 @@ def _select_kept(
 
 
 def make_layer_cache(is_linear: bool) -> LayerCache:
-    return ArraysCache(size=2) if is_linear else KVCache()
+    return ArraysCache(size=2) if is_linear else SlabRowCache()
 
 
 @dataclass(slots=True)
@@ -284,8 +301,7 @@ class RequestCache:
                 # Copied first (`* 1`, exact): the source overlaps the destination.
                 keys = cache.keys[..., end : end + length, :] * 1
                 values = cache.values[..., end : end + length, :] * 1
-                cache.keys[..., start : start + length, :] = keys
-                cache.values[..., start : start + length, :] = values
+                cache.write(start, keys, values)
                 cache.offset -= drop
         self.position -= drop
 

@@ -24,7 +24,9 @@ depend on the rows beside it (batch invariance): a verify step's first row equal
 step of the same token bit for bit, which keeps greedy decoding with MTP identical to decoding
 without it on this path too.
 
-On where it runs (CUDA: `available`, `enabled`); Metal and the CPU keep MLX's kernels. It takes
+A batch's steps of 4 to 32 rows at 4 bits take the tensor-core kernel
+(`cluster.model.tensor_core_matmul`), under the same switch. On where they run (CUDA:
+`available`, `enabled`); Metal and the CPU keep MLX's kernels. It takes
 affine quantization at 4 or 8 bits with groups of 32, 64 or 128, inputs of 2-byte floats
 whose width is a multiple of 32, and scales of the input's dtype; anything else, and steps of
 more than `MAX_ROWS` rows, go to `mx.quantized_matmul`. Applied at load
@@ -40,6 +42,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
+
+from cluster.model import tensor_core_matmul
 
 __all__ = [
     "MAX_ROWS", "FewRowQuantizedLinear", "available", "enabled", "few_row_quantized_matmul",
@@ -253,7 +257,9 @@ def few_row_quantized_matmul(
 
 
 class FewRowQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` whose steps of up to `MAX_ROWS` rows run the few-row kernel."""
+    """`nn.QuantizedLinear` whose steps of up to `MAX_ROWS` rows run the few-row kernel, and
+    at 4 bits those of `tensor_core_matmul.MIN_ROWS` to `tensor_core_matmul.MAX_ROWS` rows (a
+    batch's decode or verify step) the tensor-core kernel."""
 
     @staticmethod
     def supports(layer: nn.Module) -> bool:
@@ -284,12 +290,15 @@ class FewRowQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if not (enabled() and 1 <= rows <= MAX_ROWS and x.dtype == self["scales"].dtype):
+        if not (enabled() and x.dtype == self["scales"].dtype):
             return super().__call__(x)
-        y = few_row_quantized_matmul(
-            x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"],
-            group_size=self.group_size, bits=self.bits,
-        )  # fmt: skip
+        arrays = (x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"])
+        if 1 <= rows <= MAX_ROWS:
+            y = few_row_quantized_matmul(*arrays, group_size=self.group_size, bits=self.bits)
+        elif tensor_core_matmul.takes(rows, x.shape[-1], self.bits):
+            y = tensor_core_matmul.tensor_core_quantized_matmul(*arrays, group_size=self.group_size)
+        else:
+            return super().__call__(x)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         if "bias" in self:
             y = y + self["bias"]

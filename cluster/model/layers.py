@@ -6,8 +6,7 @@ and MLP run once over all of them (that is where the weights are read, so that i
 batching saves). The token mixers keep one cache per request. Requests whose steps have the
 same shape (every decode step, typically) run their GatedDeltaNet recurrence as one batch, the
 states stacked along the batch axis and left there for the next step (`BatchRow`), and their
-attention's rotary embedding as one op; only the attention over each request's KV cache runs
-per request.
+attention as one call over their rows of one key-value buffer (`cluster.model.kv_slab`).
 
 The modules extend mlx-lm's `qwen3_5` classes, so parameters, weight names and quantization
 are exactly mlx-lm's; only the call changes. The GatedDeltaNet call adds the `n_confirmed`
@@ -36,6 +35,7 @@ from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextMo
 
 from cluster.model import compiled, few_row_matmul
 from cluster.model.cache import RequestCache, batch_rows, stack_rows
+from cluster.model.kv_slab import KVSlab, visible
 from cluster.model.row_padding import pad_rows
 
 
@@ -67,11 +67,6 @@ def _length(segments: list[Segment]) -> int:
 def _real(x: mx.array, length: int) -> mx.array:
     """The real rows of a possibly padded [1, rows, ...] tensor."""
     return x if x.shape[1] == length else x[:, :length]
-
-
-def _row(x: mx.array, row: int) -> mx.array:
-    """Request `row`'s slice [1, ...] of a batch-major tensor [B, ...]."""
-    return x if x.shape[0] == 1 else x[row : row + 1]
 
 
 def _join(parts: list[mx.array]) -> mx.array:
@@ -297,8 +292,8 @@ class PackedAttention(Attention):
         self, q: mx.array, k: mx.array, v: mx.array, segments: list[Segment], slot: int
     ) -> mx.array:
         """Attention for requests whose steps have one length (every decode step, typically):
-        the layout and the rotary embedding run once for them all, each row at its own
-        offset; only the cache write and the attention over it are per request."""
+        the layout, the rotary embedding, the cache write and the attention run once for them
+        all, each row at its own offset, over their rows of one `KVSlab`."""
         batch, length = len(segments), segments[0].length
         if batch > 1:
             q, k, v = (t.reshape(batch, length, *t.shape[2:]) for t in (q, k, v))
@@ -314,20 +309,30 @@ class PackedAttention(Attention):
         else:
             offset = _offsets(tuple(c.offset for c in caches))
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        causal = "causal" if length > 1 else None
-        outs = []
-        for row, (cache, held) in enumerate(zip(caches, deferred, strict=True)):
-            mask = causal
-            if held is not None and held.verdicts.undecided[held.row]:
-                mask = held.verdicts.mask(held.row, held.hole_end, length)
-            keys, values = cache.update_and_fetch(_row(k, row), _row(v, row))
-            outs.append(
-                scaled_dot_product_attention(
-                    _row(q, row), keys, values, cache=cache, scale=self.scale, mask=mask
-                )
+        if batch > 1:  # one write and one attention call for them all
+            held_at = tuple(c.offset for c in caches)
+            keys, values = KVSlab.of(caches, k, v).write(k, v, held_at)
+            for cache in caches:
+                cache.offset += length
+            if deferred[0] is None:
+                mask = visible(held_at, length)
+            else:
+                rows = tuple(d.row for d in deferred)
+                holes = tuple(d.hole_end for d in deferred)
+                mask = deferred[0].verdicts.visible(rows, holes, held_at, length)
+            out = scaled_dot_product_attention(
+                q, keys, values, cache=caches[0], scale=self.scale, mask=mask
             )
-        out = outs[0] if batch == 1 else mx.concatenate(outs, axis=0)
-        return out.transpose(0, 2, 1, 3).reshape(1, batch * length, -1)
+            return out.transpose(0, 2, 1, 3).reshape(1, batch * length, -1)
+        cache, held = caches[0], deferred[0]
+        mask = "causal" if length > 1 else None
+        if held is not None and held.verdicts.undecided[held.row]:
+            mask = held.verdicts.mask(held.row, held.hole_end, length)
+        keys, values = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(
+            q, keys, values, cache=cache, scale=self.scale, mask=mask
+        )
+        return out.transpose(0, 2, 1, 3).reshape(1, length, -1)
 
 
 @functools.lru_cache(maxsize=16)

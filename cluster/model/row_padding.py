@@ -28,8 +28,10 @@ Off on the CPU (its quantized matmul is linear in rows: padding only adds work) 
 (not measured here: never pad where it may cost). On CUDA, steps of 1 to 3 rows run the
 few-row kernel instead (`cluster.model.few_row_matmul`), which reads the weights once for all
 of them; from 4 rows on MLX's GEMM on the padded rows was the faster (27B-shape backbone on an
-H100, run Q: 44.2 ms padded against 49.6 with the kernel). `set_enabled` overrides the choice
-(the tests, the benchmark's `+padded` variants).
+H100, run Q: 44.2 ms padded against 49.6 with the kernel); since, 4-bit steps of 4 to 32 rows
+run the tensor-core kernel (`cluster.model.tensor_core_matmul`), whose cost is flat from 1 to 8
+rows, so padding them changes nothing there. `set_enabled` overrides the choice (the tests, the
+benchmark's `+padded` variants).
 """
 
 from __future__ import annotations

@@ -1,0 +1,236 @@
+"""A 4-bit quantized matmul for a batch's 4 to 32 rows, on the tensor cores, as one CUDA kernel.
+
+A batch step of 8 requests multiplies 8 rows (16 with a draft each) by every weight matrix. MLX
+CUDA's GEMM path for those rows takes about twice its one-row time when the matmuls run one
+after the other, as a model's do (27B-shape MLP: 0.44 against 0.21 ms a layer on an H100,
+BENCHMARKS.md), and the few-row kernel (`cluster.model.few_row_matmul`), which does its sums
+on the CUDA cores, turns compute-bound from 4 rows on. That is what kept 8 concurrent requests
+at 3.6x one request's tokens/s. Here the weights are read once for all rows and multiplied on
+the tensor cores (`mma.sync` m16n8k16, float accumulation), whose rate leaves a step of up to
+32 rows bound by reading the weights, like one row's.
+
+Its design:
+- a block of `WARPS` warps computes 16 output columns for every row; each warp takes a share of
+  the input axis (split-K: more warps in flight to keep enough weight loads outstanding), and
+  the warps' sums meet in shared memory;
+- a warp steps along the input axis 128 values at a time: each lane loads 16 bytes of 4-bit
+  weights for each of its two output columns (four neighbouring lanes read a column's 64
+  bytes), dequantizes them to 16-bit floats as MLX's own kernels do (`q * scale + bias`, the
+  nibble made a float exactly by `0x4300 | q`, the bfloat16 `128 + q`, less 128), and feeds
+  them to eight k16 steps per 8 rows. Which input a lane supplies at which k of the mma is a
+  permutation of the input axis, the same for the weights and the rows, so the sum is too.
+
+Each row's sums are formed in an order that does not depend on the other rows, but not in the
+few-row kernel's or MLX's order: a row's output differs from theirs in the last bits, as MLX's
+own kernels differ across row counts. CUDA only; 4-bit affine weights with groups of 32, 64
+or 128, 2-byte float inputs of a width that is a multiple of 128, scales of the input's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+
+__all__ = ["MAX_ROWS", "MIN_ROWS", "takes", "tensor_core_quantized_matmul"]
+
+# Below, the few-row kernel's CUDA-core sums are about as fast (H200, 27B-shape MLP matmuls
+# one after the other: 0.105 against 0.114 ms a pair at 1 row, 0.151 against 0.110 at 4), and
+# its rows are bit-identical across 1 to 3 rows: a verify step's first row equals the plain
+# step's, which keeps greedy decoding with MTP identical to decoding without it.
+MIN_ROWS = 4
+MAX_ROWS = 32  # four 8-row tiles per warp
+WARPS = 4  # per block, splitting the input axis
+GROUP_SIZES = (32, 64, 128)
+SPAN = 128  # inputs per step of a warp: the width must be a multiple
+
+_HEADER = """
+__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+#if IS_BF16
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+"""
+
+# `IS_BF16` picks the 16-bit float type; the source is compiled once per input dtype.
+_PAIR = {
+    True: """
+#define IS_BF16 1
+typedef __nv_bfloat162 pair_t;
+// Two 4-bit values (the nibbles of `byte`) dequantized: q * scale + bias, both of a pair.
+__device__ __forceinline__ uint32_t dequantized_pair(uint32_t byte, pair_t scale, pair_t bias) {
+  uint32_t biased = 0x43004300u | (byte & 0xFu) | ((byte & 0xF0u) << 12);  // 128 + q
+  pair_t q = __hsub2(*reinterpret_cast<pair_t*>(&biased), __floats2bfloat162_rn(128.f, 128.f));
+  pair_t v = __hfma2(q, scale, bias);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ pair_t pair_of(float v) { return __floats2bfloat162_rn(v, v); }
+""",
+    False: """
+#define IS_BF16 0
+typedef __half2 pair_t;
+__device__ __forceinline__ uint32_t dequantized_pair(uint32_t byte, pair_t scale, pair_t bias) {
+  uint32_t biased = 0x58005800u | ((byte & 0xFu) << 3) | ((byte & 0xF0u) << 15);  // 128 + q
+  pair_t q = __hsub2(*reinterpret_cast<pair_t*>(&biased), __floats2half2_rn(128.f, 128.f));
+  pair_t v = __hfma2(q, scale, bias);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ pair_t pair_of(float v) { return __floats2half2_rn(v, v); }
+""",
+}
+
+# Template constants: T (input dtype), TILES (8-row tiles), GROUP. Inputs: x [R, K], w [N, K / 8]
+# uint32, scales and biases [N, K / GROUP]. Output y [R, N]. One block of 4 warps per 16 output
+# columns. The input axis goes in spans of 128: lane (g, t) loads 16 bytes (32 values) of weight
+# rows g and g + 8 at span offset 32 t, so a row's 64 bytes are read by 4 neighbouring lanes.
+# The mma's k index is a permutation of the input's: in k16 step j the lane supplies its values
+# 4j .. 4j + 3 for both the weights and the rows of x, so the sum is the same.
+_SOURCE = """
+  constexpr int WARPS_PER_BLOCK = 4;
+  const int rows = x_shape[0];
+  const int k_in = x_shape[1];
+  const int n_out = w_shape[0];
+  const int k_words = w_shape[1];
+  const int spans = k_in / 128;
+  const int groups = k_in / GROUP;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int col0 = blockIdx.x * 16;
+  const int m_lo = min(col0 + g, n_out - 1);  // past the end: computed, not written
+  const int m_hi = min(col0 + g + 8, n_out - 1);
+  const uint4* w_lo = reinterpret_cast<const uint4*>(w + size_t(m_lo) * k_words) + t;
+  const uint4* w_hi = reinterpret_cast<const uint4*>(w + size_t(m_hi) * k_words) + t;
+
+  float acc[TILES][4];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  }
+  const int begin = (spans * warp) / WARPS_PER_BLOCK;
+  const int end = (spans * (warp + 1)) / WARPS_PER_BLOCK;
+  uint4 next_lo = begin < end ? w_lo[4 * begin] : make_uint4(0, 0, 0, 0);
+  uint4 next_hi = begin < end ? w_hi[4 * begin] : make_uint4(0, 0, 0, 0);
+  for (int span = begin; span < end; ++span) {
+    const uint4 lo = next_lo;
+    const uint4 hi = next_hi;
+    if (span + 1 < end) {  // the next span's weights in flight while this one multiplies
+      next_lo = w_lo[4 * (span + 1)];
+      next_hi = w_hi[4 * (span + 1)];
+    }
+    const int k0 = span * 128 + 32 * t;  // this lane's 32 inputs
+    const int group = k0 / GROUP;
+    const pair_t s_lo = pair_of(static_cast<float>(scales[size_t(m_lo) * groups + group]));
+    const pair_t b_lo = pair_of(static_cast<float>(biases[size_t(m_lo) * groups + group]));
+    const pair_t s_hi = pair_of(static_cast<float>(scales[size_t(m_hi) * groups + group]));
+    const pair_t b_hi = pair_of(static_cast<float>(biases[size_t(m_hi) * groups + group]));
+    const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
+    const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int shift = 16 * (j & 1);
+      uint32_t a[4];
+      a[0] = dequantized_pair(lo_words[j >> 1] >> shift, s_lo, b_lo);
+      a[1] = dequantized_pair(hi_words[j >> 1] >> shift, s_hi, b_hi);
+      a[2] = dequantized_pair(lo_words[j >> 1] >> (shift + 8), s_lo, b_lo);
+      a[3] = dequantized_pair(hi_words[j >> 1] >> (shift + 8), s_hi, b_hi);
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) {
+        const int r = i * 8 + g;
+        uint32_t b[2] = {0u, 0u};
+        if (r < rows) {
+          const uint2 v = *reinterpret_cast<const uint2*>(x + size_t(r) * k_in + k0 + 4 * j);
+          b[0] = v.x;
+          b[1] = v.y;
+        }
+        mma_16816(acc[i], a, b);
+      }
+    }
+  }
+
+  // The warps' sums meet in shared memory; warp 0 adds them in warp order and writes.
+  __shared__ float shared_acc[WARPS_PER_BLOCK - 1][TILES * 4][32];
+  if (warp > 0) {
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        shared_acc[warp - 1][i * 4 + j][lane] = acc[i][j];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp != 0) {
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = acc[i][j];
+#pragma unroll
+      for (int other = 0; other < WARPS_PER_BLOCK - 1; ++other) {
+        v += shared_acc[other][i * 4 + j][lane];
+      }
+      const int r = i * 8 + 2 * t + (j & 1);
+      const int m = col0 + g + (j >= 2 ? 8 : 0);
+      if (r < rows && m < n_out) {
+        y[size_t(r) * n_out + m] = static_cast<T>(v);
+      }
+    }
+  }
+"""
+
+
+def takes(rows: int, width: int, bits: int) -> bool:
+    """Whether a step of `rows` rows of `width` inputs through `bits`-bit weights runs here
+    (the rest of the checks are `FewRowQuantizedLinear.supports`')."""
+    return bits == 4 and MIN_ROWS <= rows <= MAX_ROWS and width % SPAN == 0
+
+
+@functools.cache
+def _kernel(bf16: bool) -> Callable:
+    return mx.fast.cuda_kernel(
+        name=f"tensor_core_quantized_matmul_{'bf16' if bf16 else 'f16'}",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["y"],
+        source=_SOURCE,
+        header=_PAIR[bf16] + _HEADER,
+    )
+
+
+def tensor_core_quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int
+) -> mx.array:
+    """`x @ dequantize(w).T` for `x` of shape [rows, K], `MIN_ROWS` <= rows <= `MAX_ROWS`,
+    and 4-bit `w`, as `mx.quantized_matmul(x, w, scales, biases, transpose=True)` computes it
+    (CUDA only)."""
+    rows, width = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"the tensor-core kernel takes 1 to {MAX_ROWS} rows, got {rows}")
+    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype:
+        raise ValueError(f"the tensor-core kernel takes 2-byte floats, got {x.dtype}")
+    if group_size not in GROUP_SIZES or width % SPAN or width != w.shape[1] * 8:
+        raise ValueError(f"inputs of width {width} do not fit 4-bit weights of shape {w.shape}")
+    n_out = w.shape[0]
+    (y,) = _kernel(x.dtype == mx.bfloat16)(
+        inputs=[x, w, scales, biases],
+        template=[("T", x.dtype), ("TILES", -(-rows // 8)), ("GROUP", group_size)],
+        grid=(-(-n_out // 16) * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(rows, n_out)],
+        output_dtypes=[x.dtype],
+    )  # fmt: skip
+    return y
