@@ -25,9 +25,11 @@ def _tiny_run(tmp_path: Path, *args: str) -> tuple[str, dict]:
     return done.stdout, json.loads(out.read_text())
 
 
-def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
+def test_tiny_one_process_phase_reports_its_figures(tmp_path: Path) -> None:
+    """The one-process phase: steps, MTP off, on and deeper, concurrent requests. (The
+    side-by-side phase is the next tests'.)"""
     stdout, report = _tiny_run(
-        tmp_path, "--skip", "pipeline,nodes,mlx_lm", "--variants", "fused", "--tokens", "8",
+        tmp_path, "--skip", "pipeline,nodes,mlx_lm,paired", "--variants", "fused", "--tokens", "8",
         "--repeats", "1", "--concurrent", "2", "--alphas", "0.7", "--mtp-depths", "2",
         "--step-iters", "2", "--step-warmup", "1",
     )  # fmt: skip

@@ -102,9 +102,15 @@ def test_each_row_sees_its_own_positions_and_not_the_hole_of_its_rejected_drafts
     assert held[1, 0].tolist() == [[True] * 4]
 
 
-@pytest.fixture(scope="module")
-def shard(model_dir):
-    return load_shard(model_dir)
+@pytest.fixture(scope="module", params=["bundled", "moe"])
+def shard_and_prompts(request, model_dir, tokenizer, tmp_path_factory):
+    """The bundled model and code prompts, or the MoE fixture and token lists."""
+    if request.param == "bundled":
+        return load_shard(model_dir), [tokenizer.encode(p) for p in CODE_PROMPTS[:3]]
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path_factory.mktemp("moe") / "moe", moe=True)
+    return load_shard(path), [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
 
 
 def _forward(shard, caches, steps):
@@ -122,8 +128,8 @@ def _forward(shard, caches, steps):
 @pytest.mark.skipif(
     mx.cuda.is_available(), reason="MLX CUDA rounds batched rows otherwise (test_decode_fast_path)"
 )
-def test_a_batch_step_computes_what_each_request_alone_does(shard, tokenizer) -> None:
-    prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:3]]
+def test_a_batch_step_computes_what_each_request_alone_does(shard_and_prompts) -> None:
+    shard, prompts = shard_and_prompts
     batch = [RequestCache.for_layers(shard.linear_flags) for _ in prompts]
     alone = [RequestCache.for_layers(shard.linear_flags) for _ in prompts]
     for caches in (batch, alone):

@@ -64,7 +64,7 @@ from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import MtpDepth, RequestOptions, StepRequest, parse_mtp_depth
-from cluster.model import compiled, few_row_matmul, row_padding
+from cluster.model import compiled, few_row_matmul, row_padding, tensor_core_matmul
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
@@ -426,9 +426,10 @@ def backbone_shapes(shard: ModelShard, prompt: tuple[int, ...], iters: int, warm
 def qmm_micro(
     config: ModelConfig, group_size: int, bits: int, copies: int = 8, iters: int = 20
 ) -> dict:
-    """The quantized matmul by rows M and output size N, MLX's (`mlx_*`) and, where it runs,
-    the few-row kernel (`kernel_*`, `cluster.model.few_row_matmul`): ms per call and weight
-    GB/s over `copies` distinct weights, so that they do not sit in L2, as independent calls
+    """The quantized matmul by rows M and output size N, MLX's (`mlx_*`) and, where they run,
+    the few-row kernel (`kernel_*`, `cluster.model.few_row_matmul`) and from 4 rows at 4 bits
+    the tensor-core one (`tensor_core_*`, `cluster.model.tensor_core_matmul`): ms per call and
+    weight GB/s over `copies` distinct weights, so that they do not sit in L2, as independent calls
     (throughput: `mlp_chain` has the latency of a chain). The kernel's largest error against
     MLX relative to the output's largest value, and whether each of its rows equals the
     one-row call bit for bit. Shapes (N, K) of the model's projections, and N = 16384 (MLX
@@ -469,10 +470,18 @@ def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> d
     def ours(x: mx.array, w: tuple) -> mx.array:
         return few_row_matmul.few_row_quantized_matmul(x, *w, group_size=group_size, bits=bits)
 
+    def tensor_cores(x: mx.array, w: tuple) -> mx.array:
+        return tensor_core_matmul.tensor_core_quantized_matmul(x, *w, group_size=group_size)
+
     row: dict[str, Any] = {}
-    for m in (1, 2, 3, 4, 8, 16):
+    for m in (1, 2, 3, 4, 8, 16, 32):
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
-        for label, fn in (("mlx", mlx), ("kernel", ours)) if kernel else (("mlx", mlx),):
+        variants = [("mlx", mlx)]
+        if kernel:
+            variants.append(("kernel", ours))
+            if tensor_core_matmul.takes(m, k, bits):
+                variants.append(("tensor_core", tensor_cores))
+        for label, fn in variants:
             t = _timed(lambda x=x, fn=fn: [fn(x, w) for w in weights], iters, 3) / len(weights)
             row[f"{label}_M{m}_ms"] = t
             row[f"{label}_M{m}_gb_per_s"] = nbytes / t / 1e6
@@ -488,7 +497,8 @@ def _qmm_row(weights: list, k: int, group_size: int, bits: int, iters: int) -> d
 def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
     """The shard's MLPs by rows M (ms per layer), run as a model runs them, each layer's input
     the previous one's output, and as independent calls on one input; with MLX's quantized
-    matmul, and with the few-row kernel (`kernel_*`) where it runs. Independent calls may
+    matmul, and with the project's kernels (`kernel_*`: the few-row kernel for 1-3 rows, the
+    tensor-core one from 4 rows at 4 bits) where they run. Independent calls may
     overlap on the device (MLX CUDA records a step as a graph), so `qmm_micro`'s cost per
     call is throughput; the chain's is the latency a step pays."""
     layers = shard.layers[: min(32, len(shard.layers))]
@@ -502,7 +512,7 @@ def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
     for kernel in (False, True) if few_row_matmul.available() else (False,):
         few_row_matmul.set_enabled(kernel)  # the layers are `FewRowQuantizedLinear`s on CUDA
         label = "kernel_" if kernel else ""
-        for m in (1, 2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 8, 16, 32):
             x = mx.random.normal((1, m, shard.hidden_size)).astype(mx.bfloat16)
             out[f"{label}chain_M{m}_ms"] = _timed(lambda x=x: chain(x), iters, 3) / len(layers)
             out[f"{label}independent_M{m}_ms"] = _timed(
