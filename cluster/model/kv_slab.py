@@ -9,8 +9,8 @@ a batch of 8 costs over one request.
 Each request keeps its row of the slab and its own offset (`SlabRowCache`, mlx-lm's `KVCache`
 otherwise): position p of a request is slot p of its row, so rolling back a rejected draft is
 still a trim of that request's offset alone, and nothing moves. The slab is made when a batch's
-requests step together for the first time, their keys copied in once (`KVSlab.of`), and kept
-while the same requests step in the same order. A request that steps on its own (a prefill
+requests step together for the second time in a row, their keys copied in once (`KVSlab.of`),
+and kept while the same requests step in the same order. A request that steps on its own (a prefill
 chunk, a step of another length) writes into its row in place, and takes its row out as its
 own once the slab has no room left for it. A slab row is as long as the batch's longest
 request: what a batch costs in memory beyond its requests' own caches, as in mlx-lm's batch
@@ -25,6 +25,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 ALLOCATION_STEP = KVCache.step  # positions are allocated in blocks of this many, as mlx-lm does
+# Larger batches attend request by request: a slab's buffers grow with its rows, and MLX's
+# allocator keeps freed buffers of every size it saw (1000 short requests in one batch took a
+# test process to 24 GB).
+MAX_ROWS = 32
 
 
 def _capacity(end: int) -> int:
@@ -54,6 +58,26 @@ class KVSlab:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    @staticmethod
+    def steady(caches: list[SlabRowCache]) -> bool:
+        """Whether `caches`, at most `MAX_ROWS` of them, stepped together in this order in their
+        last step (or are a slab's rows in order): only then is a slab made for them. Where
+        requests come and go at every step (many short requests), a slab per step would copy
+        every request's keys each time."""
+        if len(caches) > MAX_ROWS:
+            return False
+        batch = tuple(id(c) for c in caches)
+        steady = all(c.last_batch == batch for c in caches)
+        for cache in caches:
+            cache.last_batch = batch
+        return steady or (caches[0].slab is not None and caches[0].slab.holds(caches))
+
+    def holds(self, caches: list[SlabRowCache]) -> bool:
+        """Whether `caches` are this slab's rows, in order."""
+        return self.rows == len(caches) and all(
+            c.slab is self and c.row == i for i, c in enumerate(caches)
+        )
+
     @classmethod
     def of(cls, caches: list[SlabRowCache], keys: mx.array, values: mx.array) -> KVSlab:
         """The slab whose row i is `caches[i]`, with room for the step `keys` and `values`
@@ -61,11 +85,7 @@ class KVSlab:
         else a new one their keys are copied into (each cache becomes its row)."""
         end = max(c.offset for c in caches) + keys.shape[2]
         slab = caches[0].slab
-        if (
-            slab is not None
-            and slab.rows == len(caches)
-            and all(c.slab is slab and c.row == i for i, c in enumerate(caches))
-        ):
+        if slab is not None and slab.holds(caches):
             slab.reserve(end)
             return slab
         capacity = _capacity(end)
@@ -129,6 +149,7 @@ class SlabRowCache(KVCache):
     def __init__(self) -> None:
         self.slab: KVSlab | None = None
         self.row = 0
+        self.last_batch: tuple[int, ...] = ()  # the caches it last stepped with (`steady`)
         super().__init__()
 
     @property

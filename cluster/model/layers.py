@@ -69,6 +69,11 @@ def _real(x: mx.array, length: int) -> mx.array:
     return x if x.shape[1] == length else x[:, :length]
 
 
+def _row(x: mx.array, row: int) -> mx.array:
+    """Request `row`'s slice [1, ...] of a batch-major tensor [B, ...]."""
+    return x if x.shape[0] == 1 else x[row : row + 1]
+
+
 def _join(parts: list[mx.array]) -> mx.array:
     """Per-request pieces [1, n, ...] back into one packed [1, L, ...] tensor."""
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
@@ -292,8 +297,9 @@ class PackedAttention(Attention):
         self, q: mx.array, k: mx.array, v: mx.array, segments: list[Segment], slot: int
     ) -> mx.array:
         """Attention for requests whose steps have one length (every decode step, typically):
-        the layout, the rotary embedding, the cache write and the attention run once for them
-        all, each row at its own offset, over their rows of one `KVSlab`."""
+        the layout and the rotary embedding run once for them all, each row at its own offset,
+        and so do the cache write and the attention, over their rows of one `KVSlab`, once the
+        same requests have stepped together before (`KVSlab.steady`); until then per request."""
         batch, length = len(segments), segments[0].length
         if batch > 1:
             q, k, v = (t.reshape(batch, length, *t.shape[2:]) for t in (q, k, v))
@@ -309,7 +315,7 @@ class PackedAttention(Attention):
         else:
             offset = _offsets(tuple(c.offset for c in caches))
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if batch > 1:  # one write and one attention call for them all
+        if batch > 1 and KVSlab.steady(caches):  # one write and one attention call for them all
             held_at = tuple(c.offset for c in caches)
             keys, values = KVSlab.of(caches, k, v).write(k, v, held_at)
             for cache in caches:
@@ -324,15 +330,19 @@ class PackedAttention(Attention):
                 q, keys, values, cache=caches[0], scale=self.scale, mask=mask
             )
             return out.transpose(0, 2, 1, 3).reshape(1, batch * length, -1)
-        cache, held = caches[0], deferred[0]
-        mask = "causal" if length > 1 else None
-        if held is not None and held.verdicts.undecided[held.row]:
-            mask = held.verdicts.mask(held.row, held.hole_end, length)
-        keys, values = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(
-            q, keys, values, cache=cache, scale=self.scale, mask=mask
-        )
-        return out.transpose(0, 2, 1, 3).reshape(1, length, -1)
+        outs = []
+        for row, (cache, held) in enumerate(zip(caches, deferred, strict=True)):
+            mask = "causal" if length > 1 else None
+            if held is not None and held.verdicts.undecided[held.row]:
+                mask = held.verdicts.mask(held.row, held.hole_end, length)
+            keys, values = cache.update_and_fetch(_row(k, row), _row(v, row))
+            outs.append(
+                scaled_dot_product_attention(
+                    _row(q, row), keys, values, cache=cache, scale=self.scale, mask=mask
+                )
+            )
+        out = outs[0] if batch == 1 else mx.concatenate(outs, axis=0)
+        return out.transpose(0, 2, 1, 3).reshape(1, batch * length, -1)
 
 
 @functools.lru_cache(maxsize=16)
