@@ -119,15 +119,17 @@ class RemotePipeline:
         heartbeat_s: float = 1.0,
         heartbeat_timeout_s: float = 2.0,
         epoch: int = 0,
+        micro_batches: int = 1,
     ):
         self.clients = clients
         self.epoch = epoch  # LoadShardRequest.epoch of its shards; other epochs are ignored
+        self.micro_batches = micro_batches  # the head's (LoadShardRequest.micro_batches)
         self._max_context = max_context
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._pending: dict[str, deque[asyncio.Future[StepResult]]] = defaultdict(deque)
         self._sequence = itertools.count()
-        self._outbox: asyncio.Queue[pb.StepBatch] = asyncio.Queue()
+        self._outbox: asyncio.Queue[StepRequest] = asyncio.Queue()
         self._head_call: grpc.aio.StreamStreamCall | None = None
         self._tasks: list[asyncio.Task] = []
         self._releases: set[asyncio.Task] = set()
@@ -178,8 +180,7 @@ class RemotePipeline:
         self._pending[step.request_id].append(future)
         # One writer task owns the shared stream: a caller cancelled mid-write (a client that
         # hung up) must not cancel the stream that every request rides on.
-        message = step_batch_to_proto([step], None, next(self._sequence), self.epoch)
-        self._outbox.put_nowait(message)
+        self._outbox.put_nowait(step)
         return await future
 
     async def release(self, request_id: str) -> None:
@@ -232,13 +233,40 @@ class RemotePipeline:
     async def _write_steps(self) -> None:
         try:
             while True:
-                message = await self._outbox.get()
-                await self._head_call.write(message)
-                self.messages_sent += 1
+                steps = [await self._outbox.get()]
+                # The requests that one result batch woke submit their next steps in this turn
+                # of the event loop: sent as one message they stay one batch on every node.
+                # Sent one by one, the head starts on the first alone and the batch splits
+                # into groups that never meet again (8 requests ran as steps of 1 to 4).
+                await asyncio.sleep(0)
+                while not self._outbox.empty():
+                    steps.append(self._outbox.get_nowait())
+                for group in self._groups(steps):
+                    message = step_batch_to_proto(group, None, next(self._sequence), self.epoch)
+                    await self._head_call.write(message)
+                    self.messages_sent += 1
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
             self._fail_all(
                 NodeUnavailable(f"node {self.clients[0].describe()} is unreachable: {error}")
             )
+
+    def _groups(self, steps: list[StepRequest]) -> list[list[StepRequest]]:
+        """`steps` (in submission order) as the messages to send: each holds at most one step
+        of a request and at most the head's share of the live requests (as the head takes
+        them: `node.stage.Stage._take`), so its micro-batches form here already. Steps of
+        requests released meanwhile are dropped."""
+        share = max(1, -(-len(self._pending) // self.micro_batches))
+        groups: list[list[StepRequest]] = []
+        ids: set[str] = set()
+        for step in steps:
+            if step.request_id not in self._pending:
+                continue
+            if not groups or len(groups[-1]) == share or step.request_id in ids:
+                groups.append([])
+                ids = set()
+            groups[-1].append(step)
+            ids.add(step.request_id)
+        return groups
 
     async def _watch_steps(self) -> None:
         """The head answers on the step stream only about messages it could not read; the
@@ -385,6 +413,7 @@ async def load_pipeline(
     if specs[-1].end != config.num_layers or specs[0].start != 0:
         raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
     clients = [NodeClient(address, token, tls) for address in addresses]
+    groups = len(addresses) if micro_batches is None else micro_batches
     try:
         infos = await asyncio.gather(*(c.info() for c in clients))
         requests = []
@@ -401,7 +430,7 @@ async def load_pipeline(
                 model_digest=model_digest,
                 weights_port=weights_port,
                 epoch=epoch,
-                micro_batches=len(addresses) if micro_batches is None else micro_batches,
+                micro_batches=groups,
             )
             if i + 1 < len(addresses):
                 request.next_node_id = infos[i + 1].node_id
@@ -424,7 +453,9 @@ async def load_pipeline(
         for client in clients:
             await client.close()
         raise
-    pipeline = RemotePipeline(clients, max_context=config.max_context, epoch=epoch)
+    pipeline = RemotePipeline(
+        clients, max_context=config.max_context, epoch=epoch, micro_batches=groups
+    )
     await pipeline.start()
     return pipeline
 

@@ -20,6 +20,8 @@ from tests.daemons import ENDPOINT, Daemon, free_port
 
 PLOTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_vs_prompt", "mtp_on_off")
 RUN_TIMEOUT_S = 240
+PROMPTS = (32, 96)  # prompt tokens of the local run's two scenarios
+MAX_TOKENS = 16
 
 
 def _bench(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -34,8 +36,9 @@ def _bench(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedPr
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench-local")
-    done = _bench("--local", "3", "--prompt-tokens", "64,256", "--concurrency", "1,4",
-                  "--max-tokens", "32", "--out", str(out))  # fmt: skip
+    prompts = ",".join(map(str, PROMPTS))
+    done = _bench("--local", "3", "--prompt-tokens", prompts, "--concurrency", "1,4",
+                  "--max-tokens", str(MAX_TOKENS), "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -59,17 +62,17 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
     scenarios = run["scenarios"]
     settings = {(s["settings"]["prompt_tokens"], s["settings"]["concurrency"],
                  s["settings"]["mtp"]) for s in scenarios}  # fmt: skip
-    assert settings == {(p, c, m) for p in (64, 256) for c in (1, 4) for m in (True, False)}
+    assert settings == {(p, c, m) for p in PROMPTS for c in (1, 4) for m in (True, False)}
     for scenario in scenarios:
         asked = scenario["settings"]
         assert scenario["metrics"]["failed"] == 0
         assert len(scenario["requests"]) == asked["requests"] == 2 * asked["concurrency"]
         for request in scenario["requests"]:  # exact, from the server's own usage
             assert request["prompt_tokens"] == asked["prompt_tokens"]
-            assert request["completion_tokens"] == 32
+            assert request["completion_tokens"] == MAX_TOKENS
             assert request["cached_tokens"] == 0  # no two prompts share a prefix: uncached
         metrics = scenario["metrics"]
-        assert metrics["total_output_tokens"] == 32 * asked["requests"]
+        assert metrics["total_output_tokens"] == MAX_TOKENS * asked["requests"]
         assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
@@ -77,7 +80,7 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
     for row in run["cached_ttft"]:  # the follow-up turn starts from the conversation cache
         assert row["cached_tokens"] == row["prompt_tokens"] and row["cached_ttft_ms"] > 0
-    assert [row["prompt_tokens"] for row in run["cached_ttft"]] == [64, 256]
+    assert [row["prompt_tokens"] for row in run["cached_ttft"]] == list(PROMPTS)
     assert len(run["hardware"]) == 3
     assert all(h["chip"] and h["os"] and h["memory_total_bytes"] > 0 for h in run["hardware"])
     assert run["versions"]["commit"] and run["versions"]["mlx"]

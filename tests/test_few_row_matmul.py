@@ -88,20 +88,6 @@ def test_eligible_layers_are_swapped_over_their_own_arrays(kernel_off) -> None:
         assert mx.array_equal(layer(inputs[name]), expected[name]), name
 
 
-@pytest.mark.parametrize(
-    ("rows", "width", "dtype", "says"),
-    [(33, 128, mx.bfloat16, "1 to 32 rows"), (2, 128, mx.float32, "2-byte floats"),
-     (2, 96, mx.bfloat16, "do not fit")],
-)  # fmt: skip
-def test_the_kernel_refuses_what_it_cannot_compute(rows, width, dtype, says) -> None:
-    layer = _quantized(128, 8)
-    with pytest.raises(ValueError, match=says):
-        few_row_quantized_matmul(
-            mx.zeros((rows, width), dtype), layer.weight, layer.scales, layer.biases,
-            group_size=64, bits=4,
-        )  # fmt: skip
-
-
 def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -> None:
     q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
     shard = load_shard(q4, for_decoding=True)
@@ -113,97 +99,87 @@ def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -
         assert swapped == []
 
 
-def _reference(x: mx.array, layer: nn.QuantizedLinear) -> mx.array:
+def _layer(kernel: str, k: int, n: int, dtype, bits: int = 4, group_size: int = 64):
+    layer = _quantized(k, n, bits=bits, group_size=group_size)
+    layer.update({name: v.astype(dtype) for name, v in layer.items() if name != "weight"})
+    return layer
+
+
+def _matmul(kernel: str, layer: nn.Module, x: mx.array) -> mx.array:
+    """`layer`'s matmul of the rows `x` [rows, K] on `kernel`."""
+    arrays = (layer.weight, layer.scales, layer.biases)
+    if kernel == "tensor_core":
+        return tensor_core_quantized_matmul(x, *arrays, group_size=layer.group_size)
+    return few_row_quantized_matmul(x, *arrays, group_size=layer.group_size, bits=layer.bits)
+
+
+def _exact(x: mx.array, layer: nn.QuantizedLinear) -> mx.array:
     w = mx.dequantize(
         layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits
     )
     return x.astype(mx.float32) @ w.astype(mx.float32).T
 
 
+# The rows each kernel takes in the model, and more where it computes them.
+ROWS = {"few_row": (1, 2, 3, 5, 8, 13, 16, 32), "tensor_core": (4, 5, 8, 13, 16, 32)}
+
+
+@pytest.mark.parametrize(
+    ("kernel", "rows", "width", "dtype", "says"),
+    [("few_row", 33, 128, mx.bfloat16, "1 to 32 rows"),
+     ("few_row", 2, 128, mx.float32, "2-byte floats"),
+     ("few_row", 2, 96, mx.bfloat16, "do not fit"),
+     ("tensor_core", 33, 128, mx.bfloat16, "1 to 32 rows"),
+     ("tensor_core", 8, 128, mx.float32, "2-byte floats"),
+     ("tensor_core", 8, 64, mx.bfloat16, "do not fit")],
+)  # fmt: skip
+def test_the_kernels_refuse_what_they_cannot_compute(kernel, rows, width, dtype, says) -> None:
+    layer = _layer(kernel, 128, 16, mx.bfloat16)
+    with pytest.raises(ValueError, match=says):
+        _matmul(kernel, layer, mx.zeros((rows, width), dtype))
+
+
 @on_cuda
-@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 128), (8, 64)])
-def test_kernel_matches_a_float32_reference(bits: int, group_size: int) -> None:
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "bits", "group_size", "steps"),
+    [("few_row", mx.bfloat16, 4, 32, 7), ("few_row", mx.bfloat16, 4, 64, 7),
+     ("few_row", mx.bfloat16, 4, 128, 7), ("few_row", mx.bfloat16, 8, 64, 7),
+     ("tensor_core", mx.bfloat16, 4, 32, 6), ("tensor_core", mx.bfloat16, 4, 64, 6),
+     ("tensor_core", mx.bfloat16, 4, 128, 6), ("tensor_core", mx.float16, 4, 64, 6)],
+)  # fmt: skip
+def test_the_kernels_match_a_float32_reference(kernel, dtype, bits, group_size, steps) -> None:
+    """Within 2**-steps of the largest output from the exact sums, and within 2**-6 of MLX's
+    own kernel. The few-row kernel rounds its float sums to bf16 once, as MLX does (7); the
+    tensor-core one multiplies weights dequantized to 16-bit floats, as MLX's GEMM does, a few
+    of their steps (6)."""
     mx.random.seed(0)
-    # 1152 inputs: the lanes' last step runs past the end (1024 a step); 301 outputs: the last
-    # warp's columns run past the end too.
-    layer = _quantized(1152, 301, bits=bits, group_size=group_size)
-    arrays = (layer.weight, layer.scales, layer.biases)
-    for rows in (1, 2, 3, 5, 8, 13, 16, 32):
-        x = mx.random.normal((rows, 1152)).astype(mx.bfloat16)
-        ours = few_row_quantized_matmul(x, *arrays, group_size=group_size, bits=bits)
-        ours, mlx = ours.astype(mx.float32), layer(x).astype(mx.float32)
-        exact = _reference(x, layer)
+    # 1152 inputs: the lanes' last step runs past the end (1024 a step for the few-row kernel);
+    # 301 outputs: the last warp's (block's) columns run past the end too.
+    layer = _layer(kernel, 1152, 301, dtype, bits, group_size)
+    for rows in ROWS[kernel]:
+        x = mx.random.normal((rows, 1152)).astype(dtype)
+        ours, mlx = (y.astype(mx.float32) for y in (_matmul(kernel, layer, x), layer(x)))
+        exact = _exact(x, layer)
         scale = mx.abs(exact).max().item()
         assert ours.shape == mlx.shape == (rows, 301)
-        # Both round their float sums to bf16 once: within bf16's relative step of the exact.
-        assert mx.abs(ours - exact).max().item() <= 2**-7 * scale, rows
+        assert mx.abs(ours - exact).max().item() <= 2**-steps * scale, rows
         assert mx.abs(ours - mlx).max().item() <= 2**-6 * scale, rows
 
 
 @on_cuda
-def test_each_row_is_computed_alone() -> None:
+@pytest.mark.parametrize("kernel", ["few_row", "tensor_core"])
+def test_each_row_is_computed_alone(kernel: str) -> None:
     """Batch invariance: a row's output does not depend on the rows beside it, bit for bit."""
     mx.random.seed(1)
-    layer = _quantized(2048, 512)
-
-    def matmul(x: mx.array) -> mx.array:
-        arrays = (layer.weight, layer.scales, layer.biases)
-        return few_row_quantized_matmul(x, *arrays, group_size=64, bits=4)
-
-    x = mx.random.normal((16, 2048)).astype(mx.bfloat16)
-    alone = mx.concatenate([matmul(x[i : i + 1]) for i in range(16)])
-    for rows in (2, 3, 4, 7, 16):
-        assert mx.array_equal(matmul(x[:rows]), alone[:rows]), rows
-
-
-@pytest.mark.parametrize(
-    ("rows", "width", "dtype", "says"),
-    [(33, 128, mx.bfloat16, "1 to 32 rows"), (8, 128, mx.float32, "2-byte floats"),
-     (8, 64, mx.bfloat16, "do not fit")],
-)  # fmt: skip
-def test_the_tensor_core_kernel_refuses_what_it_cannot_compute(rows, width, dtype, says) -> None:
-    layer = _quantized(128, 16)
-    with pytest.raises(ValueError, match=says):
-        tensor_core_quantized_matmul(
-            mx.zeros((rows, width), dtype), layer.weight, layer.scales, layer.biases,
-            group_size=64,
-        )  # fmt: skip
-
-
-@on_cuda
-@pytest.mark.parametrize(
-    ("dtype", "group_size"),
-    [(mx.bfloat16, 32), (mx.bfloat16, 64), (mx.bfloat16, 128), (mx.float16, 64)],
-)
-def test_tensor_core_kernel_matches_a_float32_reference(dtype, group_size: int) -> None:
-    mx.random.seed(2)
-    # 301 outputs: the last block's 16 columns run past the end.
-    layer = _quantized(1152, 301, group_size=group_size)
-    layer.update({k: v.astype(dtype) for k, v in layer.items() if k != "weight"})
-    arrays = (layer.weight, layer.scales, layer.biases)
-    for rows in (4, 5, 8, 13, 16, 32):
-        x = mx.random.normal((rows, 1152)).astype(dtype)
-        ours = tensor_core_quantized_matmul(x, *arrays, group_size=group_size)
-        ours, mlx = ours.astype(mx.float32), layer(x).astype(mx.float32)
-        exact = _reference(x, layer)
-        scale = mx.abs(exact).max().item()
-        assert ours.shape == mlx.shape == (rows, 301)
-        # The weights dequantized to 16-bit floats, as MLX's GEMM does: within a few of their
-        # relative steps of the exact sums.
-        assert mx.abs(ours - exact).max().item() <= 2**-6 * scale, rows
-        assert mx.abs(ours - mlx).max().item() <= 2**-6 * scale, rows
-
-
-@on_cuda
-def test_the_tensor_core_kernels_rows_are_computed_alone() -> None:
-    mx.random.seed(3)
-    layer = _quantized(2048, 512)
-    arrays = (layer.weight, layer.scales, layer.biases)
-    x = mx.random.normal((32, 2048)).astype(mx.bfloat16)
-    everything = tensor_core_quantized_matmul(x, *arrays, group_size=64)
-    for rows in (4, 7, 8, 9, 16, 31):
-        ours = tensor_core_quantized_matmul(x[:rows], *arrays, group_size=64)
-        assert mx.array_equal(ours, everything[:rows]), rows
+    layer = _layer(kernel, 2048, 512, mx.bfloat16)
+    most = ROWS[kernel][-1]
+    x = mx.random.normal((most, 2048)).astype(mx.bfloat16)
+    everything = _matmul(kernel, layer, x)
+    if kernel != "tensor_core":
+        alone = mx.concatenate([_matmul(kernel, layer, x[i : i + 1]) for i in range(most)])
+        assert mx.array_equal(everything, alone)
+    for rows in ROWS[kernel]:
+        assert mx.array_equal(_matmul(kernel, layer, x[:rows]), everything[:rows]), rows
 
 
 @on_cuda

@@ -1,5 +1,5 @@
 """take_batch: one step per request per batch, position and request limits, arrival order
-kept; a head node's micro-batches."""
+kept; a head node's micro-batches; the driver's messages, one per group of steps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import cast
 from cluster.decode.pipeline import take_batch
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
+from cluster.messages import StepRequest
 from cluster.model.shard import ShardSpec
+from node.client import RemotePipeline
 from node.stage import Stage, Subscribers
 from proto import cluster_pb2 as pb
 
@@ -96,3 +98,64 @@ def test_the_head_lets_its_share_of_the_live_requests_in_at_a_time() -> None:
             await middle.close()
 
     asyncio.run(go())
+
+
+class _StepStream:
+    """The head's step stream, as the driver's writer sees it: the messages written."""
+
+    def __init__(self) -> None:
+        self.messages: list[pb.StepBatch] = []
+
+    async def write(self, message: pb.StepBatch) -> None:
+        self.messages.append(message)
+        await asyncio.sleep(0)  # a write yields, as gRPC's does
+
+
+def _sent(stream: _StepStream) -> list[str]:
+    return ["".join(entry.request_id for entry in m.entries) for m in stream.messages]
+
+
+def test_the_driver_sends_the_steps_of_one_turn_as_one_message_per_group() -> None:
+    """Requests woken by one result batch submit in one turn of the event loop: one message
+    per micro-batch keeps them one batch on every node (sent one by one, the head started on
+    the first alone and the batch split for good)."""
+
+    async def go(micro_batches: int, *submits: str) -> list[str]:
+        pipeline = RemotePipeline([], max_context=64, micro_batches=micro_batches)
+        stream = _StepStream()
+        pipeline._head_call = stream
+        writer = asyncio.create_task(pipeline._write_steps())
+        waiting = []
+        for turn in submits:
+            for rid in turn:
+                waiting.append(asyncio.ensure_future(pipeline.submit(StepRequest(rid, (1,), 4))))
+            for _ in range(8):
+                await asyncio.sleep(0)
+        for task in (writer, *waiting):
+            task.cancel()
+        return _sent(stream)
+
+    assert asyncio.run(go(1, "abcdefgh")) == ["abcdefgh"]
+    assert asyncio.run(go(2, "abcdefgh")) == ["abcd", "efgh"]  # the head's share of 8 live
+    # 4 live, then 8: the share grows (the head merges queued groups up to its share).
+    assert asyncio.run(go(2, "abcd", "efgh")) == ["ab", "cd", "efgh"]
+    assert asyncio.run(go(1, "aba")) == ["ab", "a"]  # a request's next step: the next message
+
+
+def test_the_driver_drops_the_queued_step_of_a_released_request() -> None:
+    async def go() -> list[str]:
+        pipeline = RemotePipeline([], max_context=64)
+        stream = _StepStream()
+        pipeline._head_call = stream
+        writer = asyncio.create_task(pipeline._write_steps())
+        waiting = [asyncio.ensure_future(pipeline.submit(StepRequest(r, (1,), 4))) for r in "abc"]
+        await asyncio.sleep(0)
+        pipeline._pending.pop("b")  # released (`release` also tells the nodes)
+        for _ in range(4):
+            await asyncio.sleep(0)
+        writer.cancel()
+        for future in waiting:
+            future.cancel()
+        return _sent(stream)
+
+    assert asyncio.run(go()) == ["ac"]

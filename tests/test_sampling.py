@@ -17,7 +17,10 @@ from cluster.decode.sampling import RequestRandom, log_probs, sample
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams
 
-DRAWS = 800
+# Requests per sample (each a batch of them at once). Power: in a run of 800, three
+# subsamples of 200 told the accept-every-draft verifier below from plain sampling at
+# p = 1e-11 to 4e-10 (the test asks for 1e-3), and 250 take a quarter of 800's 200 s here.
+DRAWS = 250
 PROMPT = "import os\nimport sys\n\n\ndef "
 
 

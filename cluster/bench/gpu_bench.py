@@ -704,6 +704,14 @@ VARIANTS = (
     ("fused+compiled-layers+padded+few-row", True, True, True, row_padding.PAD_FROM, True),
 )
 WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
+
+
+def warm_tokens(args) -> int:
+    """A warm-up decode's tokens: `WARM_BATCH_TOKENS`, or `--tokens` where that is fewer
+    (what a warm-up pays for, traces and kernels, comes with the first tokens)."""
+    return min(WARM_BATCH_TOKENS, args.tokens)
+
+
 DEFAULT_VARIANTS = (
     "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded",
     "fused+compiled-layers+padded+few-row",
@@ -777,7 +785,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
         for depth in args.mtp_depths:  # deeper drafts at alpha 0.7, each position drawn alike
             previous = install_oracle(0.7, seed=3)
             try:  # each step shape pays one-time costs first (kernels built, compiled traces)
-                await engine_decode(engine, prompt, WARM_BATCH_TOKENS, 1, True, depth)
+                await engine_decode(engine, prompt, warm_tokens(args), 1, True, depth)
                 on = await engine_decode(engine, prompt, args.tokens, args.repeats, True, depth)
             finally:
                 remove_oracle(previous)
@@ -835,7 +843,7 @@ async def _one_process_batches(
     decodes a short batch whose figure is kept apart as `first_batch`."""
     keys = {True: "concurrent_compiled", False: "concurrent"}
     first = {
-        on: await _batch_at_alpha(worker, engine, prompt, WARM_BATCH_TOKENS, args.concurrent, on)
+        on: await _batch_at_alpha(worker, engine, prompt, warm_tokens(args), args.concurrent, on)
         for on in keys
     }
     runs: dict[bool, list[dict]] = {on: [] for on in keys}
@@ -972,7 +980,7 @@ async def node_pipeline(
             if args.concurrent > 1:
                 # A short batch first, kept apart: the first batch of a shape pays one-time costs.
                 first = await concurrent_decode(
-                    remote.engine, prompt, WARM_BATCH_TOKENS, args.concurrent
+                    remote.engine, prompt, warm_tokens(args), args.concurrent
                 )
                 row["concurrent"] = await concurrent_decode(
                     remote.engine, prompt, args.tokens, args.concurrent
@@ -1170,7 +1178,7 @@ async def _paired_concurrency(
 
     out: dict[str, Any] = {"requests": args.concurrent}
     with _oracle(0.7):
-        await concurrent_decode(local, prompt, WARM_BATCH_TOKENS, args.concurrent)
+        await concurrent_decode(local, prompt, warm_tokens(args), args.concurrent)
         out["one_process"], over_one = [], []
         for _ in range(2):  # each batch against one request decoded just before it
             one = await engine_decode(local, prompt, args.tokens, 1, True)
@@ -1187,7 +1195,7 @@ async def _paired_concurrency(
                 tps = {}
                 for ahead in (True, False):
                     runner.mtp_lookahead = ahead
-                    await concurrent_decode(local, prompt, WARM_BATCH_TOKENS, args.concurrent)
+                    await concurrent_decode(local, prompt, warm_tokens(args), args.concurrent)
                     batch = await concurrent_decode(local, prompt, args.tokens, args.concurrent)
                     tps[ahead] = batch["aggregate_tps"]
                 ahead_over_waiting.append(tps[True] / tps[False])
@@ -1203,7 +1211,7 @@ async def _paired_concurrency(
             path, addresses, token=token, micro_batches=settings[name]
         )
         try:
-            await concurrent_decode(remote.engine, prompt, WARM_BATCH_TOKENS, args.concurrent)
+            await concurrent_decode(remote.engine, prompt, warm_tokens(args), args.concurrent)
             one = await engine_decode(remote.engine, prompt, args.tokens, 1, True)
             batch = await concurrent_decode(remote.engine, prompt, args.tokens, args.concurrent)
         finally:
