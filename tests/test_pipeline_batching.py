@@ -150,7 +150,7 @@ def test_the_driver_drops_the_queued_step_of_a_released_request() -> None:
         writer = asyncio.create_task(pipeline._write_steps())
         waiting = [asyncio.ensure_future(pipeline.submit(StepRequest(r, (1,), 4))) for r in "abc"]
         await asyncio.sleep(0)
-        pipeline._pending.pop("b")  # released (`release` also tells the nodes)
+        await pipeline.release("b")  # (no nodes to tell here)
         for _ in range(4):
             await asyncio.sleep(0)
         writer.cancel()
