@@ -48,9 +48,11 @@ def kernel_off():
     few_row_matmul.set_enabled(None)
 
 
-def _quantized(k: int, n: int, *, bits: int = 4, group_size: int = 64, bias: bool = False):
+def _quantized(
+    k: int, n: int, *, bits: int = 4, group_size: int = 64, bias: bool = False, dtype=mx.bfloat16
+):
     layer = nn.QuantizedLinear.from_linear(nn.Linear(k, n, bias=bias), group_size, bits)
-    layer.update({k: v.astype(mx.bfloat16) for k, v in layer.items() if k != "weight"})
+    layer.update({k: v.astype(dtype) for k, v in layer.items() if k != "weight"})
     return layer
 
 
@@ -99,12 +101,6 @@ def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -
         assert swapped == []
 
 
-def _layer(kernel: str, k: int, n: int, dtype, bits: int = 4, group_size: int = 64):
-    layer = _quantized(k, n, bits=bits, group_size=group_size)
-    layer.update({name: v.astype(dtype) for name, v in layer.items() if name != "weight"})
-    return layer
-
-
 def _matmul(kernel: str, layer: nn.Module, x: mx.array) -> mx.array:
     """`layer`'s matmul of the rows `x` [rows, K] on `kernel`."""
     arrays = (layer.weight, layer.scales, layer.biases)
@@ -134,7 +130,7 @@ ROWS = {"few_row": (1, 2, 3, 5, 8, 13, 16, 32), "tensor_core": (4, 5, 8, 13, 16,
      ("tensor_core", 8, 64, mx.bfloat16, "do not fit")],
 )  # fmt: skip
 def test_the_kernels_refuse_what_they_cannot_compute(kernel, rows, width, dtype, says) -> None:
-    layer = _layer(kernel, 128, 16, mx.bfloat16)
+    layer = _quantized(128, 16)
     with pytest.raises(ValueError, match=says):
         _matmul(kernel, layer, mx.zeros((rows, width), dtype))
 
@@ -155,7 +151,7 @@ def test_the_kernels_match_a_float32_reference(kernel, dtype, bits, group_size, 
     mx.random.seed(0)
     # 1152 inputs: the lanes' last step runs past the end (1024 a step for the few-row kernel);
     # 301 outputs: the last warp's (block's) columns run past the end too.
-    layer = _layer(kernel, 1152, 301, dtype, bits, group_size)
+    layer = _quantized(1152, 301, bits=bits, group_size=group_size, dtype=dtype)
     for rows in ROWS[kernel]:
         x = mx.random.normal((rows, 1152)).astype(dtype)
         ours, mlx = (y.astype(mx.float32) for y in (_matmul(kernel, layer, x), layer(x)))
@@ -171,7 +167,7 @@ def test_the_kernels_match_a_float32_reference(kernel, dtype, bits, group_size, 
 def test_each_row_is_computed_alone(kernel: str) -> None:
     """Batch invariance: a row's output does not depend on the rows beside it, bit for bit."""
     mx.random.seed(1)
-    layer = _layer(kernel, 2048, 512, mx.bfloat16)
+    layer = _quantized(2048, 512)
     most = ROWS[kernel][-1]
     x = mx.random.normal((most, 2048)).astype(mx.bfloat16)
     everything = _matmul(kernel, layer, x)

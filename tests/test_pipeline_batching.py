@@ -110,6 +110,14 @@ class _StepStream:
         self.messages.append(message)
         await asyncio.sleep(0)  # a write yields, as gRPC's does
 
+    async def wait_for(self, steps: int) -> None:
+        """Until `steps` steps in all were written (the writer runs on the same loop)."""
+        for _ in range(100):
+            if sum(len(m.entries) for m in self.messages) >= steps:
+                return
+            await asyncio.sleep(0)  # one turn of the loop, not a wait for time
+        raise AssertionError(f"{steps} steps not written: {_sent(self)}")
+
 
 def _sent(stream: _StepStream) -> list[str]:
     return ["".join(entry.request_id for entry in m.entries) for m in stream.messages]
@@ -129,8 +137,7 @@ def test_the_driver_sends_the_steps_of_one_turn_as_one_message_per_group() -> No
         for turn in submits:
             for rid in turn:
                 waiting.append(asyncio.ensure_future(pipeline.submit(StepRequest(rid, (1,), 4))))
-            for _ in range(8):
-                await asyncio.sleep(0)
+            await stream.wait_for(len(waiting))
         for task in (writer, *waiting):
             task.cancel()
         return _sent(stream)
@@ -149,10 +156,9 @@ def test_the_driver_drops_the_queued_step_of_a_released_request() -> None:
         pipeline._head_call = stream
         writer = asyncio.create_task(pipeline._write_steps())
         waiting = [asyncio.ensure_future(pipeline.submit(StepRequest(r, (1,), 4))) for r in "abc"]
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the three submitted, the writer not yet run
         await pipeline.release("b")  # (no nodes to tell here)
-        for _ in range(4):
-            await asyncio.sleep(0)
+        await stream.wait_for(2)
         writer.cancel()
         for future in waiting:
             future.cancel()

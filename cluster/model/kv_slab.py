@@ -8,13 +8,13 @@ a batch of 8 costs over one request.
 
 Each request keeps its row of the slab and its own offset (`SlabRowCache`, mlx-lm's `KVCache`
 otherwise): position p of a request is slot p of its row, so rolling back a rejected draft is
-still a trim of that request's offset alone, and nothing moves. The slab is made when a batch's
-requests step together for the second time in a row, their keys copied in once (`KVSlab.of`),
-and kept while the same requests step in the same order. A request that steps on its own (a prefill
-chunk, a step of another length) writes into its row in place, and takes its row out as its
-own once the slab has no room left for it. A slab row is as long as the batch's longest
-request: what a batch costs in memory beyond its requests' own caches, as in mlx-lm's batch
-caches.
+still a trim of that request's offset alone, and nothing moves. The slab is made when at most
+`MAX_ROWS` requests step together for the second time in a row (`KVSlab.steady`), their keys
+copied in once (`KVSlab.of`), and kept while the same requests step in the same order. A
+request that steps on its own (a prefill chunk, a step of another length) writes into its row
+in place, and takes its row out as its own once the slab has no room left for it. A slab row
+is as long as the batch's longest request: what a batch costs in memory beyond its requests'
+own caches, as in mlx-lm's batch caches.
 """
 
 from __future__ import annotations
