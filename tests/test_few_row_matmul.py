@@ -7,25 +7,17 @@ itself; run there with `python -m pytest tests/test_few_row_matmul.py`): the ker
 a float32 reference and MLX's own kernel, each row independent of the rows beside it, and
 greedy decoding at 4 bits identical with the kernel and without, with MTP (rejected drafts
 rolled back) and without, on the bundled model and a MoE fixture, but at a tie: the kernel
-rounds its float sums as MLX's kernel does but in another order, so where the two likeliest
-tokens are tied or nearly (seen on the bundled model: two tokens at -1.1101 each, 25
-tokens into a code prompt), either may come, and the text goes on from the one that did.
+rounds its float sums as MLX's kernel does but in another order (tests/greedy_ties.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import CODE_PROMPTS, run
+from conftest import CODE_PROMPTS
+from greedy_ties import assert_greedy_identical_with
 
-from cluster.config import load_model_config
-from cluster.decode.engine import GenerationRequest
-from cluster.local import open_local_engine
-from cluster.messages import RequestOptions
 from cluster.model import few_row_matmul, tensor_core_matmul
 from cluster.model.convert import convert
 from cluster.model.few_row_matmul import (
@@ -194,81 +186,12 @@ def test_layers_take_the_kernels_by_rows() -> None:
         assert mx.array_equal(fast(x), expected), rows
 
 
-MAX_TOKENS = 64
-# Where the reference's two likeliest tokens are closer than this (in logprob), the kernel's
-# rounding may pick the other one: the kernel's outputs differ from MLX's by rounding only
-# (at most 0.76 % of a matmul's largest output, BENCHMARKS.md runs Q-T).
-TIE_NATS = 0.05
-
-
-async def _decode(path, prompts: list[list[int]], *, mtp: bool, concurrent: bool = False):
-    """Per prompt: the greedy tokens, the two likeliest (token, logprob) at each, and the
-    drafted and accepted counts."""
-    local = await open_local_engine(path, mtp=mtp)
-    options = RequestOptions(mtp=mtp, logprobs=True, top_logprobs=2)
-
-    async def one(prompt: list[int]):
-        tokens, top, chunk = [], [], None
-        async for chunk in local.engine.stream(
-            GenerationRequest(tuple(prompt), MAX_TOKENS, options)
-        ):
-            tokens += chunk.tokens
-            top += chunk.top_logprobs
-        return tokens, top, chunk.drafted, chunk.accepted
-
-    try:
-        if concurrent:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-        return [await one(p) for p in prompts]
-    finally:
-        local.close()
-
-
-def _assert_same_but_at_ties(outs, reference) -> None:
-    """Each run's tokens are the reference's up to a position where the reference's two
-    likeliest tokens tie (within TIE_NATS) and the run took the other; from there the texts
-    may part."""
-    for (tokens, *_), (expected, top, *_) in zip(outs, reference, strict=True):
-        parted = next(
-            (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None
-        )
-        if parted is None:
-            assert len(tokens) == len(expected)
-            continue
-        (first, lp1), (second, lp2) = top[parted]
-        assert lp1 - lp2 < TIE_NATS and tokens[parted] in (first, second), (parted, top[parted])
-
-
-def _uniform(top: tuple[tuple[int, float], ...], vocab: int) -> bool:
-    """Whether the two likeliest tokens have probability 1 / vocab each: all logits equal."""
-    (_, lp1), (_, lp2) = top
-    return lp1 == lp2 and abs(math.exp(lp1) * vocab - 1) < 1e-3
-
-
-def _assert_greedy_identical_with_the_kernel(path, prompts: list[list[int]]) -> None:
-    few_row_matmul.set_enabled(False)
-    try:
-        reference = run(_decode(path, prompts, mtp=False))
-    finally:
-        few_row_matmul.set_enabled(None)
-    vocab = load_model_config(path).text.vocab_size
-    if any(_uniform(top[0], vocab) for _, top, *_ in reference):
-        # Seen on MLX 0.32.4 CUDA with the MoE fixture: "Failed to initialize the TMA
-        # descriptor" for tensors with rows of 4 bf16 values (8 bytes; its router has 4
-        # experts), and every logit of the first token equal: no reference to compare with.
-        pytest.xfail("MLX's own path computes no distribution on this checkpoint here")
-    for mtp in (False, True):
-        outs = run(_decode(path, prompts, mtp=mtp))
-        _assert_same_but_at_ties(outs, reference)
-    drafted, accepted = sum(o[2] for o in outs), sum(o[3] for o in outs)
-    assert 0 < accepted < drafted  # drafts rejected, and rolled back
-    _assert_same_but_at_ties(run(_decode(path, prompts, mtp=True, concurrent=True)), reference)
-
-
 @on_cuda
 def test_greedy_decoding_identical_with_the_kernel(model_dir, tokenizer, tmp_path) -> None:
     q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
-    _assert_greedy_identical_with_the_kernel(q4, [tokenizer.encode(p) for p in CODE_PROMPTS[:2]])
+    assert_greedy_identical_with(
+        few_row_matmul.set_enabled, q4, [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
+    )
 
 
 @on_cuda
@@ -281,4 +204,6 @@ def test_moe_greedy_decoding_identical_with_the_kernel(tmp_path) -> None:
     q4 = convert(moe, tmp_path / "q4", q_bits=4)
     shard = load_shard(q4, for_decoding=True)
     assert any(isinstance(m, FewRowQuantizedLinear) for _, m in shard.named_modules())
-    _assert_greedy_identical_with_the_kernel(q4, [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
+    assert_greedy_identical_with(
+        few_row_matmul.set_enabled, q4, [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
+    )

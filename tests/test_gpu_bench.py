@@ -77,3 +77,18 @@ def test_tiny_side_by_side_phase_without_nodes(tmp_path: Path) -> None:
     assert not any(key.startswith("nodes") for key in paired["ratios"])
     assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
     assert "steps built ahead: MTP off" in stdout
+
+
+def test_tiny_variants_interleaved(tmp_path: Path) -> None:
+    """`--interleave`: the variants side by side round by round on one shard, each round's
+    figures and their ratios to the first variant."""
+    first, second = "fused+compiled-layers", "fused+compiled-layers+padded+few-row+recurrence"
+    stdout, report = _tiny_run(
+        tmp_path, "--skip", "single,pipeline,nodes,mlx_lm,paired", "--interleave", "2",
+        "--variants", f"{first},{second}", "--tokens", "8", "--step-iters", "2", *BF16,
+    )  # fmt: skip
+    interleaved = report["interleaved"]
+    assert [len(interleaved["rounds"][v]) for v in (first, second)] == [2, 2]
+    summary = interleaved["summary"][second]
+    assert summary["mtp_on_tps"]["over_first"] > 0 and summary["verify_over_plain"] > 0
+    assert f"interleaved [{second}]" in stdout and "over the first" in stdout

@@ -64,7 +64,14 @@ from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import MtpDepth, RequestOptions, StepRequest, parse_mtp_depth
-from cluster.model import compiled, few_row_matmul, row_padding, tensor_core_matmul
+from cluster.model import (
+    compiled,
+    few_row_matmul,
+    gated_delta_kernel,
+    row_padding,
+    tensor_core_matmul,
+)
+from cluster.model import shard as model_shard
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
@@ -423,6 +430,31 @@ def backbone_shapes(shard: ModelShard, prompt: tuple[int, ...], iters: int, warm
     return out
 
 
+def graph_primitives(shard: ModelShard, prompt: tuple[int, ...]) -> dict[str, int]:
+    """The primitives in the graph of a backbone step of one request, one position and a
+    verify step's two (one of them a draft), under the switches set now: the graph built whole
+    (no `async_eval` partway) and counted in `mx.export_to_dot`'s output. MLX dispatches each
+    of them on the host at every step, a few microseconds each on CUDA."""
+    cache = RequestCache.for_layers(shard.linear_flags)
+    cache.begin_step(0, len(prompt))
+    mx.eval(shard(shard.embed(mx.array(prompt)[None]), [Segment(cache, len(prompt), len(prompt))]))
+    counts = {}
+    every, model_shard.ASYNC_EVAL_EVERY = model_shard.ASYNC_EVAL_EVERY, len(shard.layers) + 1
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            dot = Path(tmp) / "step.dot"
+            for length in (1, 2):
+                cache.begin_step(0, length)
+                h = shard(shard.embed(mx.array([[7] * length])), [Segment(cache, length, 1)])
+                outputs = [h, *cache.arrays()]
+                mx.export_to_dot(str(dot), *outputs)
+                counts[f"{length}x1"] = dot.read_text().count("shape=rectangle")  # primitives
+                mx.eval(outputs)
+    finally:
+        model_shard.ASYNC_EVAL_EVERY = every
+    return counts
+
+
 def qmm_micro(
     config: ModelConfig, group_size: int, bits: int, copies: int = 8, iters: int = 20
 ) -> dict:
@@ -551,18 +583,26 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     worker = MLXWorker()
     diag["sync_latency_ms"] = await worker.run(sync_latency)
     config = load_model_config(path)
-    diag["qmm"] = await worker.run(qmm_micro, config, args.group_size, args.bits)
-    print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
+    if args.bits < 16:  # the quantized matmul by rows
+        diag["qmm"] = await worker.run(qmm_micro, config, args.group_size, args.bits)
+        print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
     shard = await worker.run(load_shard, path, for_decoding=True)
     diag["mlp_chain"] = await worker.run(mlp_chain, shard)
     print(f"  MLPs by rows, chained and independent {json.dumps(diag['mlp_chain'])}", flush=True)
-    backbones = [("backbone_ms", False, False), ("backbone_padded_ms", True, False)]
+    # (key, padded, few-row kernel, recurrence kernel)
+    backbones = [("backbone_ms", False, False, False), ("backbone_padded_ms", True, False, False)]
     if few_row_matmul.available():
-        backbones.append(("backbone_few_row_ms", False, True))
-    for key, pad, few_row in backbones:
-        await worker.run(_set_variant, None, None, row_padding.PAD_FROM if pad else 0, few_row)
+        backbones.append(("backbone_few_row_ms", False, True, False))
+    if gated_delta_kernel.available():
+        backbones.append(("backbone_few_row_recurrence_kernel_ms", False, True, True))
+    for key, pad, few_row, recurrence in backbones:
+        pad_from = row_padding.PAD_FROM if pad else 0
+        await worker.run(_set_variant, None, None, pad_from, few_row, recurrence)
         diag[key] = await worker.run(backbone_shapes, shard, prompt, 30, 5)
-        print(f"  {key} {json.dumps(diag[key])}", flush=True)
+        primitives = diag[key.replace("_ms", "_primitives")] = await worker.run(
+            graph_primitives, shard, prompt
+        )
+        print(f"  {key} {json.dumps(diag[key])}; primitives {json.dumps(primitives)}", flush=True)
     await worker.run(_set_variant, None, None, None, None)
     del shard
     await worker.run(free_memory)
@@ -691,18 +731,20 @@ async def engine_decode(
 # (name, projections fused at load, compiled GatedDeltaNet recurrence, whole GatedDeltaNet
 # layers compiled, the row count from which a step's stream is padded to 8 rows, 0: never
 # (`cluster.model.row_padding`), the few-row quantized matmul kernel
-# (`cluster.model.few_row_matmul`) for steps of up to 3 rows; the default on CUDA is
-# `+padded+few-row`).
+# (`cluster.model.few_row_matmul`) for steps of up to 3 rows, the recurrence as one kernel
+# (`cluster.model.gated_delta_kernel`); the default on CUDA is `+padded+few-row+recurrence`).
 VARIANTS = (
-    ("plain", False, False, False, 0, False),
-    ("fused", True, False, False, 0, False),
-    ("fused+compiled", True, True, False, 0, False),
-    ("fused+compiled-layers", True, True, True, 0, False),
-    ("fused+compiled-layers+padded", True, True, True, row_padding.PAD_FROM, False),
-    ("fused+compiled-layers+padded2", True, True, True, 2, False),
-    ("fused+compiled-layers+padded1", True, True, True, 1, False),
-    ("fused+compiled-layers+padded+few-row", True, True, True, row_padding.PAD_FROM, True),
-)
+    ("plain", False, False, False, 0, False, False),
+    ("fused", True, False, False, 0, False, False),
+    ("fused+compiled", True, True, False, 0, False, False),
+    ("fused+compiled-layers", True, True, True, 0, False, False),
+    ("fused+compiled-layers+padded", True, True, True, row_padding.PAD_FROM, False, False),
+    ("fused+compiled-layers+padded2", True, True, True, 2, False, False),
+    ("fused+compiled-layers+padded1", True, True, True, 1, False, False),
+    ("fused+compiled-layers+padded+few-row", True, True, True, row_padding.PAD_FROM, True, False),
+    ("fused+compiled-layers+padded+few-row+recurrence", True, True, True, row_padding.PAD_FROM,
+     True, True),
+)  # fmt: skip
 WARM_BATCH_TOKENS = 32  # a short first batch before the timed ones (`_one_process_batches`)
 
 
@@ -714,17 +756,22 @@ def warm_tokens(args) -> int:
 
 DEFAULT_VARIANTS = (
     "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded",
-    "fused+compiled-layers+padded+few-row",
+    "fused+compiled-layers+padded+few-row", "fused+compiled-layers+padded+few-row+recurrence",
 )  # fmt: skip
 
 
 def _set_variant(
-    compile_on: bool | None, layers_on: bool | None, pad_from: int | None, few_row: bool | None
+    compile_on: bool | None,
+    layers_on: bool | None,
+    pad_from: int | None,
+    few_row: bool | None,
+    recurrence_kernel: bool | None = None,
 ) -> None:
     """A variant's switches; None everywhere restores the per-backend defaults."""
     compiled.set_enabled(compile_on)
     compiled.set_layers_enabled(layers_on)
     few_row_matmul.set_enabled(few_row)
+    gated_delta_kernel.set_enabled(recurrence_kernel)
     if pad_from is None:
         row_padding.set_enabled(None)
     else:
@@ -739,7 +786,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
     worker = MLXWorker()
     shard = None
     for name in args.variants:
-        _, fuse_on, compile_on, layers_on, pad_from, few_row = next(
+        _, fuse_on, compile_on, layers_on, pad_from, few_row, recurrence = next(
             v for v in VARIANTS if v[0] == name
         )
         if shard is None or fuse_on != single.get("fused"):
@@ -757,7 +804,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             if "bandwidth" not in single:
                 bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
-        await worker.run(_set_variant, compile_on, layers_on, pad_from, few_row)
+        await worker.run(_set_variant, compile_on, layers_on, pad_from, few_row, recurrence)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}
         row["steps"] = await worker.run(
@@ -810,6 +857,72 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
         del engine, pipeline
     single.update(single["variants"][args.variants[-1]])
     del shard, runner
+    await worker.run(_set_variant, None, None, None, None)
+    await worker.run(free_memory)
+    worker.close()
+
+
+async def interleaved_variants(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
+    """The fast path's variants (`--variants`, all with projections fused) side by side in
+    `--interleave` rounds on one loaded shard, their order reversed every other round: each
+    round measures the backbone at 1 and 2 positions, `ShardRunner.run`'s plain and verify
+    steps, and the engine's MTP off and on (alpha 0.7, `--tokens` each). The host's speed
+    drifts by a quarter within minutes (BENCHMARKS.md, run V), which a variant measured after
+    another takes for its own; so the figures to read are each round's ratio to the first
+    variant, medians over the rounds."""
+    chosen = [next(v for v in VARIANTS if v[0] == name) for name in args.variants]
+    if not all(v[1] for v in chosen):
+        raise ValueError("--interleave takes variants with fused projections only")
+    worker = MLXWorker()
+    shard = await worker.run(load_shard, path, for_decoding=True)
+    config = load_model_config(path)
+    engine = GenerationEngine(
+        LocalPipeline([ShardRunner(shard)], worker, max_context=config.max_context)
+    )
+    rows: dict[str, list[dict[str, float]]] = {v[0]: [] for v in chosen}
+    report["interleaved"] = {"rounds": rows}
+    for _, _, *switches in chosen:  # each variant's traces and kernels built, untimed
+        await worker.run(_set_variant, *switches)
+        await _warm_up(engine, prompt)
+        await worker.run(breakdown, shard, prompt, 2, 1)
+    for r in range(args.interleave):
+        for name, _, *switches in chosen if r % 2 == 0 else chosen[::-1]:
+            await worker.run(_set_variant, *switches)
+            parts = await worker.run(breakdown, shard, prompt, args.step_iters // 2, 3)
+            steps = await worker.run(
+                step_times, ShardRunner(shard), prompt, args.step_iters, 3, 0.7
+            )
+            off = await engine_decode(engine, prompt, args.tokens, 1, mtp=False)
+            previous = install_oracle(0.7, seed=3)
+            try:
+                on = await engine_decode(engine, prompt, args.tokens, 1, mtp=True)
+            finally:
+                remove_oracle(previous)
+            row = {
+                "backbone_1tok_ms": parts["backbone_1tok"]["total_ms"],
+                "backbone_2tok_ms": parts["backbone_2tok"]["total_ms"],
+                "plain_ms": steps["plain"]["median_ms"],
+                "verify_ms": steps["verify"]["median_ms"],
+                "mtp_off_tps": off["median_tps"],
+                "mtp_on_tps": on["median_tps"],
+            }
+            rows[name].append(row)
+            print(f"  round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    base = rows[chosen[0][0]]
+    summary = {}
+    for name, runs in rows.items():
+        summary[name] = {
+            key: {
+                "median": median([run[key] for run in runs]),
+                "over_first": median([r[key] / b[key] for r, b in zip(runs, base, strict=True)]),
+            }
+            for key in runs[0]
+        }
+        summary[name]["verify_over_plain"] = median(
+            [run["verify_ms"] / run["plain_ms"] for run in runs]
+        )
+    report["interleaved"]["summary"] = summary
+    del engine, shard
     await worker.run(_set_variant, None, None, None, None)
     await worker.run(free_memory)
     worker.close()
@@ -1438,6 +1551,11 @@ async def run(args) -> dict:
         with _recorded(report, "single_error"):
             await single_process(args, path, prompt, report)
         save()
+    if args.interleave and deadline.allows("variants interleaved", 60, report):
+        print("== variants interleaved", flush=True)
+        with _recorded(report, "interleaved_error"):
+            await interleaved_variants(args, path, prompt, report)
+        save()
     if "mlx_lm" not in args.skip and deadline.allows("mlx-lm stream_generate", 60, report):
         print("== mlx-lm stream_generate", flush=True)
         worker = MLXWorker()
@@ -1518,6 +1636,20 @@ def summarize(report: dict) -> None:
             f"2 tok {b2['total_ms']:.2f} ms (build {b2['build_ms']:.2f}); "
             f"lm_head+argmax {bd['lm_head_argmax_ms']:.2f} ms; "
             f"MTP head {bd.get('mtp_head_ms', float('nan')):.2f} ms"
+        )
+    interleaved = report.get("interleaved", {}).get("summary", {})
+    for i, (name, v) in enumerate(interleaved.items()):
+        s[f"interleaved {name}"] = v
+        lines.append(
+            f"interleaved [{name}]: plain {v['plain_ms']['median']:.2f} ms, verify/plain "
+            f"{v['verify_over_plain']:.2f}x, MTP off {v['mtp_off_tps']['median']:.1f} tok/s, "
+            f"on a=0.7 {v['mtp_on_tps']['median']:.1f}"
+            + (
+                ""
+                if i == 0
+                else "; over the first, medians of rounds: "
+                + ", ".join(f"{k} {r['over_first']:.3f}x" for k, r in v.items() if type(r) is dict)
+            )
         )
     for name, v in single.get("variants", {}).items():
         st, b1 = v["steps"], v["breakdown"]["backbone_1tok"]
@@ -1679,6 +1811,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda s: [parse_mtp_depth(d) for d in s.split(",")],
         default=[],
         help="also decode with MTP at these depths (1..8 or auto) at alpha 0.7, per variant",
+    )
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="also measure --variants side by side in this many alternating rounds (fused ones)",
     )
     parser.add_argument("--node-alpha", type=float, default=0.7)
     parser.add_argument("--nodes", type=lambda s: [int(n) for n in s.split(",")], default=[2, 3])

@@ -33,7 +33,7 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
-from cluster.model import compiled, few_row_matmul
+from cluster.model import compiled, few_row_matmul, gated_delta_kernel
 from cluster.model.cache import RequestCache, batch_rows, stack_rows
 from cluster.model.kv_slab import KVSlab, visible
 from cluster.model.row_padding import pad_rows
@@ -117,7 +117,10 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         dims = self.dims
         one = len(segs) == 1
         if (one and compiled.enabled(length)) or (not one and compiled.batches_enabled(length)):
-            core = compiled.compiled(gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=False)
+            core = compiled.compiled(
+                gdn_core, dims=dims, snapshot_at=snapshot_at,
+                use_kernel=gated_delta_kernel.enabled(),  # CUDA's kernel traced in or not
+            )  # fmt: skip
         else:
             core = functools.partial(
                 gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=not self.training
@@ -221,8 +224,10 @@ def _recurrence(
     """mlx-lm's gated delta recurrence over all positions, keeping in `snapshots` the state
     after the first `keep` positions for each `keep` in `snapshot_at`.
 
-    With Metal's fused kernel the sequence runs in pieces that end at the snapshot points. The
-    ops path (CPU, CUDA) steps one position at a time anyway, so it runs mlx-lm's own step
+    `use_kernel` takes the backend's fused kernel where there is one. With Metal's (mlx-lm's)
+    the sequence runs in pieces that end at the snapshot points; CUDA's
+    (`cluster.model.gated_delta_kernel`) writes the snapshots as it passes them. The ops path
+    (the CPU, or no kernel) steps one position at a time anyway, so it runs mlx-lm's own step
     function in one loop and picks the states up as they pass: no extra work for a draft.
     """
     length = q.shape[1]
@@ -240,6 +245,12 @@ def _recurrence(
         return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)), state
     beta = mx.sigmoid(b)
     g = compute_g(A_log, a, dt_bias)
+    if use_kernel and gated_delta_kernel.takes(q, v, state, snapshot_at):
+        out, state, kept = gated_delta_kernel.gated_delta_recurrence(
+            q, k, v, g, beta, state, snapshot_at
+        )
+        snapshots.update(zip(snapshot_at, kept, strict=True))
+        return out, state
     if (repeat := v.shape[-2] // q.shape[-2]) > 1:
         q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
     ys = []
@@ -392,12 +403,16 @@ class PackedDecoderLayer(DecoderLayer):
             params = self.__dict__["_params"] = self.parameters()
             self.__dict__["_structure"] = traces.structure_of(self)
         rows = len(segments) * length
-        # The few-row kernel is traced in or not.
-        key = (self.__dict__["_structure"], rows, snapshot_at, few_row_matmul.enabled())
+        # The few-row and recurrence kernels are traced in or not.
+        kernels = (few_row_matmul.enabled(), gated_delta_kernel.enabled())
+        key = (self.__dict__["_structure"], rows, snapshot_at, kernels)
         if (step := traces.steps.get(key)) is None:
             step = traces.steps[key] = mx.compile(
-                functools.partial(_linear_layer_step, self, length=rows, snapshot_at=snapshot_at)
-            )
+                functools.partial(
+                    _linear_layer_step, self, length=rows, snapshot_at=snapshot_at,
+                    use_kernel=kernels[1],
+                )
+            )  # fmt: skip
         h, *new_states = step(params, x, conv_state, state)
         gdn.store(segments, slot, snapshot_at, new_states)
         return h
@@ -440,6 +455,7 @@ def _linear_layer_step(
     *,
     length: int,
     snapshot_at: tuple[int, ...],
+    use_kernel: bool,
 ) -> list[mx.array]:
     """The GatedDeltaNet decoder layer whose parameters are `params` over a batch of requests
     of one step shape, as a function of arrays, run through `template` (a layer of the same
@@ -458,7 +474,7 @@ def _linear_layer_step(
         qkv, a, b = (t.reshape(batch, length // batch, *t.shape[2:]) for t in (qkv, a, b))
         out, *states = gdn_core(
             qkv, a, b, conv_state, state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
-            dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=False,
+            dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=use_kernel,
         )  # fmt: skip
         out = out.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
         h = x + gdn.out_proj(pad_rows(gdn.norm(out, z).reshape(1, length, -1), rows))
