@@ -24,6 +24,10 @@
    2 ranks on 127.0.0.1; if it fails as is, the exact error is recorded and it runs again with
    its send/recv/all_gather on the CPU stream (the ring backend's own implementation).
 
+`--interleave N` measures the fast path's `--variants` side by side instead, in N rounds on one
+loaded shard with their order reversed every other round (the host drifts within minutes);
+`--diagnose` measures where a step loses time, the primitives of its graph among them.
+
 Decode tokens/s is tokens after the first over the time after the first (the engine's
 `generation_tps`; for mlx-lm the same quantity from its responses' time stamps). Greedy; stop
 tokens ignored, so every run decodes exactly --tokens tokens. Phases that would not finish

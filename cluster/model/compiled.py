@@ -3,8 +3,9 @@
 On MLX CUDA each op of a decode step costs host time twice (Python builds its graph node, the
 backend launches one kernel for it), and the device runs those kernels one after the other.
 GatedDeltaNet's recurrence on the ops path (CUDA, CPU; Metal has mlx-lm's fused kernel) is some
-30 small ops per layer and position. Compiled, a layer's step is one call that replays a traced
-graph in C++ with its elementwise chains fused into a few kernels. A compiled function is
+30 small ops per layer and position (on CUDA, one kernel since: `cluster.model.gated_delta_kernel`,
+traced into these calls). Compiled, a layer's step is one call that replays a traced graph in
+C++ with its elementwise chains fused into a few kernels. A compiled function is
 traced once per input shape, so only steps of a few positions (decode, verify) take this path:
 the whole GatedDeltaNet layer of one request or of a batch whose requests' steps share a shape
 (`layers_enabled`; the layer's weights are inputs of the trace, so one trace per (rows,

@@ -3,12 +3,13 @@
 On MLX CUDA a decode step is bound by the host: MLX dispatches every primitive of the step's
 graph on the calling thread, a few microseconds each (BENCHMARKS.md, issue 10). mlx-lm's
 recurrence on the ops path (CUDA and the CPU; Metal has mlx-lm's own kernel) is some 27
-primitives per position and layer even compiled (slices, squeezes, expand_dims, two sums, three
-fused elementwise kernels), so at the 27B shape's 48 GatedDeltaNet layers it is about 1,300
-primitives of a one-position step and 2,700 of a verify step `[y, d]`, which is most of why a
-verify step cost 1.48x a plain one at bf16 (run AG3). This kernel is one primitive whatever the
-step's length, and it writes the states a rejected draft restores (`snapshot_at`) as it passes
-them.
+primitives per position and layer even compiled (slices, squeezes, expand_dims, two sums,
+fused elementwise kernels). At the 27B shape (48 GatedDeltaNet layers of 64) the backbone's
+graph held 4,194 primitives at one position and 5,938 at a verify step's two; with this kernel
+2,946 and 3,106, since it is one primitive whatever the step's length and writes the states a
+rejected draft restores (`snapshot_at`) as it passes them. Measured side by side on an H200
+(run AI, six interleaved rounds): bf16 verify step 26.0 -> 21.1 ms (1.40x -> 1.26x a plain
+one), MTP on 1.17x the tokens/s; 4 bits 26.2 -> 18.8 ms (1.50x -> 1.25x), MTP on 1.30x.
 
 Its design: one warp per (request, value head, value column). Lane `i` holds the column's
 state entries `[i * DK / 32, (i + 1) * DK / 32)` along the key axis in registers, so the
