@@ -12,7 +12,7 @@ from mlx_lm import load as mlx_lm_load
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
-from cluster.model.shard import ModelShard, ShardSpec
+from cluster.model.shard import ModelShard, ShardSpec, async_eval_slots
 
 
 def _logits(shards: list[ModelShard], tokens: list[int]) -> np.ndarray:
@@ -52,3 +52,17 @@ def test_layer_range_beyond_the_model_is_refused(model_dir) -> None:
         load_shard(model_dir, ShardSpec(6, 9, False, True))
     with pytest.raises(ValueError, match="invalid layer range"):
         ShardSpec(3, 3, True, False)
+
+
+@pytest.mark.parametrize(
+    ("layers", "slots"),
+    [
+        (32, [7, 15, 23, 27, 29, 30, 31]),  # every 8, the last chunk in halves to one layer
+        (64, [7, 15, 23, 31, 39, 47, 55, 59, 61, 62, 63]),
+        (33, [7, 15, 23, 28, 30, 31]),  # the last layer starts with the caller's eval
+        (3, []),  # fewer layers than a chunk: the caller's eval alone
+    ],
+)
+def test_the_device_is_started_every_8_layers_and_tapered_at_the_end(layers, slots) -> None:
+    assert sorted(async_eval_slots(layers, 8, True)) == slots
+    assert sorted(async_eval_slots(layers, 8, False)) == [s for s in range(layers) if s % 8 == 7]

@@ -58,6 +58,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
@@ -610,6 +611,13 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     await worker.run(_set_variant, None, None, None, None)
     del shard
     await worker.run(free_memory)
+    diag["split_steps"] = await worker.run(split_steps, path, prompt, args.rounds)
+    print(
+        f"  two halves against the whole {json.dumps(diag['split_steps']['medians'])}; "
+        f"tapered / every {json.dumps(diag['split_steps']['tapered_over_every'])}",
+        flush=True,
+    )
+    await worker.run(free_memory)
     if "mlx_lm" not in args.skip:
         with _recorded(diag, "mlx_lm_error"):
             diag["mlx_lm_forward"] = await worker.run(mlx_lm_forward, path, prompt, 30, 5)
@@ -639,6 +647,76 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
         finally:
             await local.worker.run(free_memory)
             local.close()
+
+
+class _DecodingShard:
+    """A shard with one request's cache, prefilled; `step` builds and evaluates one token."""
+
+    def __init__(self, path: Path, spec: ShardSpec, x: mx.array) -> None:
+        self.shard = load_shard(path, spec, mtp=False, for_decoding=True)
+        self.cache = RequestCache.for_layers(self.shard.linear_flags)
+        self.output = self.run(self.shard.embed(x) if spec.is_head else x)
+
+    def run(self, x: mx.array) -> mx.array:
+        length = x.shape[1]
+        self.cache.begin_step(0, length)
+        out = self.shard(x, [Segment(self.cache, length, length)])
+        if self.shard.spec.is_tail:  # through to the greedy token, as a tail's step
+            out = mx.argmax(self.shard.logits(self.shard.norm(out[:, -1])), axis=-1)
+        mx.eval(out, self.cache.arrays())
+        return out
+
+
+def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 25) -> dict:
+    """A decode step over the model's two halves as two nodes run them (the head's output
+    read back to the host as bytes, the tail's input uploaded from them, its greedy token
+    read) against the
+    whole model's, with the last chunk's `async_eval`s tapered (`ModelShard`) and not, in
+    alternating rounds: what splitting a step costs beyond the hop."""
+    layers = load_model_config(path).num_layers
+    x = mx.array(prompt)[None]
+    head = _DecodingShard(path, ShardSpec(0, layers // 2, True, False), x)
+    tail = _DecodingShard(path, ShardSpec(layers // 2, layers, False, True), head.output)
+    whole = _DecodingShard(path, ShardSpec.whole(layers), x)
+    rows: dict[str, list[dict[str, float]]] = {"every": [], "tapered": []}
+    token, taper_was = 7, model_shard.TAPER_LAST_CHUNK
+    try:
+        for r in range(rounds + 1):  # round 0 warms both schedules
+            for taper in (False, True) if r % 2 == 0 else (True, False):
+                model_shard.TAPER_LAST_CHUNK = taper
+                times: dict[str, list[float]] = {"head": [], "tail": [], "whole": []}
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    out = head.run(head.shard.embed(mx.array([[token]])))
+                    sent = bytes(memoryview(out))
+                    t1 = time.perf_counter()
+                    received = mx.array(np.frombuffer(sent, np.uint8)).view(out.dtype)
+                    next_token = tail.run(received.reshape(out.shape)).item()
+                    t2 = time.perf_counter()
+                    whole.run(whole.shard.embed(mx.array([[token]]))).item()
+                    t3 = time.perf_counter()
+                    for key, seconds in (("head", t1 - t0), ("tail", t2 - t1), ("whole", t3 - t2)):
+                        times[key].append(seconds * 1e3)
+                    token = 5 + next_token % 4000
+                row = {key: median(v[iters // 5 :]) for key, v in times.items()}
+                row["halves_over_whole"] = (row["head"] + row["tail"]) / row["whole"]
+                if r:
+                    rows["tapered" if taper else "every"].append(row)
+    finally:
+        model_shard.TAPER_LAST_CHUNK = taper_was
+    return {
+        "rounds": rows,
+        "medians": {
+            name: {key: median([row[key] for row in runs]) for key in runs[0]}
+            for name, runs in rows.items()
+        },
+        "tapered_over_every": {
+            key: median(
+                [t[key] / e[key] for e, t in zip(rows["every"], rows["tapered"], strict=True)]
+            )
+            for key in rows["every"][0]
+        },
+    }
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int) -> float:

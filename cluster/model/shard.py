@@ -7,6 +7,7 @@ one process is a single shard that is both head and tail.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -18,6 +19,21 @@ from cluster.model.layers import LayerTraces, PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
 
 ASYNC_EVAL_EVERY = 8  # layers
+# The last chunk's layers are started in halves (4, 2, 1 layers before the end), so that what
+# the device has left once the graph is built is about one layer, not eight: a node's step
+# ends with its output read back, and the next node waits for it.
+TAPER_LAST_CHUNK = True
+
+
+@functools.cache
+def async_eval_slots(n_layers: int, every: int, taper: bool) -> frozenset[int]:
+    """The layer slots after which `ModelShard` starts the device on what is built."""
+    if every > n_layers:
+        return frozenset()
+    slots = {slot for slot in range(n_layers) if slot % every == every - 1}
+    if taper:
+        slots |= {n_layers - 1 - left for left in (4, 2, 1) if n_layers - 1 - left >= 0}
+    return frozenset(slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +97,10 @@ class ModelShard(nn.Module):
         length = x.shape[1]
         if self.pads_rows:  # a short step's dense layers run on the rows matmuls run cheapest
             x = row_padding.pad_rows(x, row_padding.padded_rows(length))
+        starts = async_eval_slots(len(self.layers), ASYNC_EVAL_EVERY, TAPER_LAST_CHUNK)
         for slot, layer in enumerate(self.layers):
             x = layer(x, segments, slot)
-            if slot % ASYNC_EVAL_EVERY == ASYNC_EVAL_EVERY - 1:
+            if slot in starts:
                 # Start the device on the layers built so far while Python builds the rest:
                 # building a step's graph is milliseconds that the device would otherwise idle.
                 mx.async_eval(x)
