@@ -650,7 +650,8 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
 
 
 class _DecodingShard:
-    """A shard with one request's cache, prefilled; `step` builds and evaluates one token."""
+    """A shard with one request's cache, prefilled; `run` steps it (and a tail on to its
+    greedy token), evaluated."""
 
     def __init__(self, path: Path, spec: ShardSpec, x: mx.array) -> None:
         self.shard = load_shard(path, spec, mtp=False, for_decoding=True)
@@ -670,9 +671,9 @@ class _DecodingShard:
 def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 25) -> dict:
     """A decode step over the model's two halves as two nodes run them (the head's output
     read back to the host as bytes, the tail's input uploaded from them, its greedy token
-    read) against the
-    whole model's, with the last chunk's `async_eval`s tapered (`ModelShard`) and not, in
-    alternating rounds: what splitting a step costs beyond the hop."""
+    read) against the whole model's, with the last chunk's `async_eval`s tapered
+    (`ModelShard`) and not, in alternating rounds: what splitting a step costs beyond the
+    hop."""
     layers = load_model_config(path).num_layers
     x = mx.array(prompt)[None]
     head = _DecodingShard(path, ShardSpec(0, layers // 2, True, False), x)
@@ -953,8 +954,6 @@ async def interleaved_variants(args, path: Path, prompt: tuple[int, ...], report
     another takes for its own; so the figures to read are each round's ratio to the first
     variant, medians over the rounds."""
     chosen = [next(v for v in VARIANTS if v[0] == name) for name in args.variants]
-    if not all(v[1] for v in chosen):
-        raise ValueError("--interleave takes variants with fused projections only")
     worker = MLXWorker()
     shard = await worker.run(load_shard, path, for_decoding=True)
     config = load_model_config(path)
@@ -1936,12 +1935,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--diagnose",
         action="store_true",
-        help="only the diagnosis: quantized matmul by rows, the backbone by step shape, "
-        "mlx-lm's forward, the engine over 1 and 3 in-process shards",
+        help="only the diagnosis: quantized matmul by rows, the backbone by step shape and its "
+        "graph's primitives, a step split in two halves, mlx-lm's forward, the engine over 1 "
+        "and 3 in-process shards",
     )
     parser.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-comm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if unknown := set(args.variants) - {v[0] for v in VARIANTS}:
+        parser.error(
+            f"unknown variants {sorted(unknown)}; known: {', '.join(v[0] for v in VARIANTS)}"
+        )
+    if args.interleave < 0:
+        parser.error("--interleave takes a number of rounds >= 0")
+    if args.interleave and not all(v[1] for v in VARIANTS if v[0] in args.variants):
+        parser.error("--interleave takes variants with fused projections only (not 'plain')")
     args.argv = sys.argv[1:] if argv is None else argv
     return args
 

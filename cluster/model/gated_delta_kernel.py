@@ -76,7 +76,7 @@ _SOURCE = """
   }
   int kept = 0;
   for (int t = 0; t < length; ++t) {
-    if (SNAPS & (1u << t)) {
+    if (t < 32 && (SNAPS & (1u << t))) {  // no shift past the constant's bits
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i) {
         snapshots[kept * state_size + at + i] = s[i];
