@@ -350,6 +350,7 @@ class NodeService(pb_grpc.NodeServicer):
             info.active_requests = len(runner.requests)
             info.steps_total = stats.messages_in
             info.step_latency_ms = stats.mean_latency_ms
+            info.step_phases.CopyFrom(stats.mean_phases())
             info.positions_computed = runner.positions_computed
             info.prefix_snapshots = len(runner.snapshots)
             info.prefix_snapshot_bytes = runner.snapshots.nbytes

@@ -86,6 +86,7 @@ class _Inbound:
     message: pb.StepBatch
     reply: Reply
     request_ids: frozenset[str]
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +97,56 @@ class _Forward:
     request_ids: list[str]
 
 
+# A batch's way through the stage (`pb.StepPhases`), in its fields' order.
+PHASES = ("queued", "handoff", "decode", "layers", "encode", "send")
+
+
+@dataclass(slots=True)
+class _Clock:
+    """The instants of one batch's way through the stage (`time.perf_counter`); the worker's
+    are set on the MLX thread."""
+
+    arrived: float
+    started: float = 0.0  # handed to the MLX thread
+    computing: float = 0.0  # on the MLX thread, from here on
+    ran: float = 0.0  # decoded
+    run_done: float = 0.0  # `ShardRunner.run` returned
+    computed: float = 0.0  # encoded; the MLX thread hands back
+    returned: float = 0.0  # back on the event loop
+    sent: float = 0.0
+
+    def phases_ms(self) -> tuple[float, ...]:
+        handoff = (self.computing - self.started) + (self.returned - self.computed)
+        spans = (
+            self.started - self.arrived,
+            handoff,
+            self.ran - self.computing,
+            self.run_done - self.ran,
+            self.computed - self.run_done,
+            self.sent - self.returned,
+        )
+        return tuple(1000 * span for span in spans)
+
+
 @dataclass(slots=True)
 class StageStats:
     messages_in: int = 0
     batches_total: int = 0
     busy_s_total: float = 0.0  # compute time of every batch: busy share = its rate of growth
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+    # Where recent decode batches' time went, in PHASES' order.
+    phases_ms: deque[tuple[float, ...]] = field(default_factory=lambda: deque(maxlen=100))
 
     @property
     def mean_latency_ms(self) -> float:
         return sum(self.latencies_ms) / len(self.latencies_ms) if self.latencies_ms else 0.0
+
+    def mean_phases(self) -> pb.StepPhases:
+        """Where recent batches' time went, means in ms (zeros before any)."""
+        if not (n := len(self.phases_ms)):
+            return pb.StepPhases()
+        means = [sum(column) / n for column in zip(*self.phases_ms, strict=True)]
+        return pb.StepPhases(**{f"{name}_ms": v for name, v in zip(PHASES, means, strict=True)})
 
 
 class Downstream:
@@ -271,9 +312,11 @@ class Stage:
         )
 
     async def _process(self, batch: list[_Inbound]) -> None:
-        started = time.perf_counter()
-        output, errors, dropped = await self.worker.run(self._compute, batch)
-        elapsed = time.perf_counter() - started
+        clock = _Clock(arrived=min(item.arrived for item in batch))
+        clock.started = time.perf_counter()
+        output, errors, dropped = await self.worker.run(self._compute, batch, clock)
+        clock.returned = time.perf_counter()
+        elapsed = clock.returned - clock.started
         self.stats.latencies_ms.append(elapsed * 1000)
         self.stats.busy_s_total += elapsed
         self.stats.batches_total += 1
@@ -283,9 +326,18 @@ class Stage:
             self.subscribers.publish(pb.ResultBatch(prefix_dropped=dropped, epoch=self.epoch))
         if output is None:
             return
-        if self.downstream is None:
-            self.subscribers.publish(output)
-            return
+        try:
+            if self.downstream is None:
+                self.subscribers.publish(output)
+            else:
+                await self._forward(output)
+        finally:
+            clock.sent = time.perf_counter()
+            if all(e.draft_len + 1 == len(e.tokens) for i in batch for e in i.message.entries):
+                # Decode batches only: a prefill chunk's time would bend a token's figures.
+                self.stats.phases_ms.append(clock.phases_ms())
+
+    async def _forward(self, output: _Forward) -> None:
         try:
             await self.downstream.send(output.payload)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, OSError) as error:
@@ -296,10 +348,11 @@ class Stage:
             self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message, self.epoch)
 
     def _compute(
-        self, batch: list[_Inbound]
+        self, batch: list[_Inbound], clock: _Clock
     ) -> tuple[_Forward | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]]:
         """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
-        the shard no longer holds."""
+        the shard no longer holds. Marks `clock` at each part's end."""
+        clock.computing = time.perf_counter()
         errors: list[tuple[str, grpc.StatusCode, str]] = []
         steps: list[StepRequest] = []
         hidden: list[mx.array] = []
@@ -322,7 +375,9 @@ class Stage:
         x = None
         if hidden:
             x = hidden[0] if len(hidden) == 1 else mx.concatenate(hidden, axis=1)
+        clock.ran = time.perf_counter()
         out = self.runner.run(steps, x)
+        clock.run_done = time.perf_counter()
         errors += [(rid, status_of(e), str(e)) for rid, e in out.errors.items()]
         for rid in out.errors:  # a failed request is dropped on this node too
             self.runner.release(rid)
@@ -330,9 +385,12 @@ class Stage:
         if not out.steps:
             return None, errors, dropped
         if out.hidden is None:
-            return results_to_proto(out.results, [], self.epoch), errors, dropped
-        payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
-        return _Forward(payload, [step.request_id for step in out.steps]), errors, dropped
+            encoded = results_to_proto(out.results, [], self.epoch)
+        else:
+            payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
+            encoded = _Forward(payload, [step.request_id for step in out.steps])
+        clock.computed = time.perf_counter()
+        return encoded, errors, dropped
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

@@ -47,16 +47,24 @@ def test_tiny_one_process_phase_reports_its_figures(tmp_path: Path) -> None:
 
 
 def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
-    """The paired phase: one process, mlx-lm and 2 node processes loaded at once, one round,
-    then concurrent requests in one process (MTP steps built before their verdicts and
-    waiting, in turn) and over the nodes micro-batched and in one batch."""
+    """The paired phase: one process, mlx-lm and 2 node processes loaded at once, one round
+    (MTP off alternated twice), then concurrent requests in one process (MTP steps built
+    before their verdicts and waiting, in turn) and over the nodes micro-batched and in one
+    batch."""
     stdout, report = _tiny_run(
-        tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1",
+        tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1", "--off-pairs", "2",
         "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", *BF16,
     )  # fmt: skip
     paired = report["paired"]
     assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
     assert all(value > 0 for value in paired["ratios"].values())
+    assert len(paired["rounds"][0]["nodes_off_pairs"]) == 2
+    # Where a token's time went over the nodes: each node's decode steps, phase by phase.
+    assert paired["nodes_off_token_ms"]["node_steps"] > 0
+    for phases in paired["rounds"][0]["node_phases_ms"]:
+        assert set(phases) == {"queued", "handoff", "decode", "layers", "encode", "send"}
+        assert phases["layers"] > 0 and phases["handoff"] > 0
+    assert "node 1 step phases, ms: " in stdout
     assert paired["ratios"]["one_process_lookahead_on_over_off"] > 0
     assert paired["ratios"]["one_process_mtp_ahead_over_waiting"] > 0
     assert paired["concurrent"]["one_process_mtp_ahead_over_waiting"] > 0

@@ -18,6 +18,7 @@ from nodes import NodeGroup, active_requests, node_infos, remote_engine
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from cluster.local import even_ranges, open_local_engine
 from cluster.messages import RequestOptions, SamplingParams
+from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory  # the fixture, for this module
 
@@ -79,17 +80,22 @@ def _assert_same(outputs: list[GenerationOutput], expected: list[GenerationOutpu
 def test_nodes_give_the_single_process_tokens(count, trio, model_dir, prompts, reference) -> None:
     addresses = trio.addresses[:count]
 
-    async def go() -> dict[bool, list[GenerationOutput]]:
+    async def go() -> tuple[dict[bool, list[GenerationOutput]], list[pb.NodeInfo]]:
         ranges = even_ranges(NUM_LAYERS, count)
         async with remote_engine(model_dir, addresses, ranges=ranges) as (engine, _):
-            return {
+            outputs = {
                 mtp: await _generate_each(
                     engine, addresses, [_request(p, mtp=mtp) for p in prompts]
                 )
                 for mtp in (False, True)
             }
+            return outputs, await node_infos(addresses)
 
-    outputs = run(go())
+    outputs, infos = run(go())
+    for info in infos:  # where each node's decode steps went, phase by phase
+        phases = info.step_phases
+        assert phases.layers_ms > 0 and phases.handoff_ms > 0 and phases.send_ms > 0
+        assert min(phases.queued_ms, phases.decode_ms, phases.encode_ms) >= 0
     _assert_same(outputs[False], reference[False])
     _assert_same(outputs[True], reference[True])
     assert all(o.drafted == 0 for o in outputs[False])

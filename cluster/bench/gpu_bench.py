@@ -1261,7 +1261,7 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
                     out["rounds"].append(row)
                     print(
                         f"  round {i + 1}: "
-                        + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "node_step_ms"),
+                        + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if _is_number(v)),
                         flush=True,
                     )
             finally:
@@ -1300,6 +1300,28 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         median([r["node_step_ms"][k] * args.paired_nodes / r["local_step_ms"] for r in rounds])
         for k in range(args.paired_nodes)
     ]
+    if not args.paired_nodes:
+        return
+    # The goal's ratio over every alternated pair of every round.
+    out["ratios"]["nodes_off_over_one_process"] = median(
+        [pair for r in rounds for pair in r["nodes_off_pairs"]]
+    )
+    # A token over the nodes, MTP off: the nodes' steps, and the rest (the hops, the driver).
+    token_ms = [1000 / r["nodes_off"] for r in rounds]
+    steps_ms = [sum(r["node_step_ms"]) for r in rounds]
+    out["nodes_off_token_ms"] = {
+        "token": median(token_ms),
+        "node_steps": median(steps_ms),
+        "outside_steps": median([t - n for t, n in zip(token_ms, steps_ms, strict=True)]),
+        "one_process_step": median([r["local_step_ms"] for r in rounds]),
+    }
+    out["node_phases_ms"] = [
+        {
+            name: median([r["node_phases_ms"][k].get(name, 0.0) for r in rounds])
+            for name in rounds[0]["node_phases_ms"][k]
+        }
+        for k in range(args.paired_nodes)
+    ]
 
 
 async def _paired_round(
@@ -1326,9 +1348,36 @@ async def _paired_round(
     row["local_off_no_lookahead"] = off["median_tps"]
     row["local_step_ms"] = (cost.total_seconds - seconds) / (cost.total_batches - batches) * 1e3
     row["local_engine_over_steps_no_lookahead"] = off["engine_over_steps"]
-    off = await engine_decode(local, prompt, args.tokens, 1, False)
-    row["local_off"] = off["median_tps"]
-    row["local_engine_over_steps"] = off["engine_over_steps"]
+    # MTP off in one process and over the nodes, alternated `--off-pairs` times: the goal's
+    # own ratio, from runs seconds apart however fast the host happens to be.
+    local_off, nodes_off, over_steps = [], [], []
+    for _ in range(args.off_pairs):
+        off = await engine_decode(local, prompt, args.tokens, 1, False)
+        local_off.append(off["median_tps"])
+        over_steps.append(off["engine_over_steps"])
+        if remote is not None:
+            nodes_off.append(
+                (await engine_decode(remote.engine, prompt, args.tokens, 1, False))["median_tps"]
+            )
+    row["local_off"] = median(local_off)
+    row["local_engine_over_steps"] = median(over_steps)
+    if remote is not None:
+        row["nodes_off"] = median(nodes_off)
+        row["nodes_off_pairs"] = [n / o for n, o in zip(nodes_off, local_off, strict=True)]
+        # Where each node's decode steps of the last MTP-off run went (`pb.StepPhases`), and
+        # its step: from the MLX thread's handoff to its output encoded.
+        infos = [await c.info() for c in remote.pipeline.clients]
+        row["node_phases_ms"] = [
+            {
+                f.name.removesuffix("_ms"): getattr(info.step_phases, f.name)
+                for f in info.step_phases.DESCRIPTOR.fields
+            }
+            for info in infos
+        ]
+        row["node_step_ms"] = [
+            sum(phases[name] for name in ("handoff", "decode", "layers", "encode"))
+            for phases in row["node_phases_ms"]
+        ]
     with _oracle(0.7):
         # MTP on with steps built before the verdict is read and without (`mtp_lookahead`);
         # the backend's default of the two is `local_on`.
@@ -1346,10 +1395,6 @@ async def _paired_round(
     row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
     if remote is None:
         return row
-    row["nodes_off"] = (await engine_decode(remote.engine, prompt, args.tokens, 1, False))[
-        "median_tps"
-    ]
-    row["node_step_ms"] = [(await c.info()).step_latency_ms for c in remote.pipeline.clients]
     row["nodes_on"] = (await engine_decode(remote.engine, prompt, args.tokens, 1, True))[
         "median_tps"
     ]
@@ -1845,6 +1890,16 @@ def summarize(report: dict) -> None:
                 f"{r['nodes_on_over_off']:.2f}x); node step / its share of the one-process step "
                 f"{_fmt(paired_out['node_step_over_share'])}"
             )
+            t = paired_out["nodes_off_token_ms"]
+            s["paired"]["nodes_off_token_ms"] = t
+            lines.append(
+                f"  a token over {n} nodes, MTP off: {t['token']:.2f} ms, the node steps "
+                f"{t['node_steps']:.2f} and the rest {t['outside_steps']:.2f} (one process's step "
+                f"{t['one_process_step']:.2f})"
+            )
+            for k, phases in enumerate(paired_out["node_phases_ms"]):
+                parts = ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items())
+                lines.append(f"  node {k} step phases, ms: {parts}")
         if c := paired_out.get("concurrent"):
             s["paired"]["concurrent_one_process_over_one_request"] = c[
                 "one_process_over_one_request"
@@ -1865,6 +1920,10 @@ def summarize(report: dict) -> None:
         lines.append(f"skipped {skipped}")
     report["summary"] = s
     print("\n".join(lines), flush=True)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fmt(values: list[float]) -> str:
@@ -1925,6 +1984,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds", type=int, default=5, help="rounds of the side-by-side phase (paired)"
     )
     parser.add_argument(
+        "--off-pairs",
+        type=int,
+        default=1,
+        help="MTP-off decodes in one process and over the nodes, alternated, per round (paired)",
+    )
+    parser.add_argument(
         "--paired-nodes",
         type=int,
         default=2,
@@ -1946,6 +2011,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             f"unknown variants {sorted(unknown)}; known: {', '.join(v[0] for v in VARIANTS)}"
         )
+    if args.off_pairs < 1:
+        parser.error("--off-pairs takes a number of alternations >= 1")
     if args.interleave < 0:
         parser.error("--interleave takes a number of rounds >= 0")
     if args.interleave and not all(v[1] for v in VARIANTS if v[0] in args.variants):
