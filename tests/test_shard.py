@@ -57,12 +57,17 @@ def test_layer_range_beyond_the_model_is_refused(model_dir) -> None:
 @pytest.mark.parametrize(
     ("layers", "slots"),
     [
-        (32, [7, 15, 23, 27, 29, 30, 31]),  # every 8, the last chunk in halves to one layer
-        (64, [7, 15, 23, 31, 39, 47, 55, 59, 61, 62, 63]),
-        (33, [7, 15, 23, 28, 30, 31]),  # the last layer starts with the caller's eval
+        # after 1, 2 and 4 layers, every 8, the last chunk in halves to one layer
+        (32, [0, 1, 3, 7, 15, 23, 27, 29, 30, 31]),
+        (64, [0, 1, 3, 7, 15, 23, 31, 39, 47, 55, 59, 61, 62, 63]),
+        (33, [0, 1, 3, 7, 15, 23, 28, 30, 31]),  # the last layer starts with the caller's eval
         (3, []),  # fewer layers than a chunk: the caller's eval alone
     ],
 )
-def test_the_device_is_started_every_8_layers_and_tapered_at_the_end(layers, slots) -> None:
-    assert sorted(async_eval_slots(layers, 8, True)) == slots
-    assert sorted(async_eval_slots(layers, 8, False)) == [s for s in range(layers) if s % 8 == 7]
+def test_the_device_is_started_every_8_layers_and_tapered_at_both_ends(layers, slots) -> None:
+    assert sorted(async_eval_slots(layers, 8, True, True)) == slots
+    every = [s for s in range(layers) if s % 8 == 7]
+    assert sorted(async_eval_slots(layers, 8, False, False)) == every
+    assert sorted(async_eval_slots(layers, 8, True, False)) == sorted(
+        set(every) | ({0, 1, 3} if every else set())
+    )

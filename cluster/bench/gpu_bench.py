@@ -581,16 +581,10 @@ def mlx_lm_forward(path: Path, prompt: tuple[int, ...], iters: int, warmup: int)
     return out
 
 
-async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
-    """Where the verify step and the shard boundaries lose time (no decode benchmark)."""
-    diag: dict[str, Any] = {}
-    report["diagnose"] = diag
-    worker = MLXWorker()
-    diag["sync_latency_ms"] = await worker.run(sync_latency)
-    config = load_model_config(path)
-    if args.bits < 16:  # the quantized matmul by rows
-        diag["qmm"] = await worker.run(qmm_micro, config, args.group_size, args.bits)
-        print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
+async def _step_shapes(
+    worker: MLXWorker, path: Path, prompt: tuple[int, ...], diag: dict[str, Any]
+) -> None:
+    """`diagnose`'s MLPs by rows and the backbone by step shape, under each fast-path kernel."""
     shard = await worker.run(load_shard, path, for_decoding=True)
     diag["mlp_chain"] = await worker.run(mlp_chain, shard)
     print(f"  MLPs by rows, chained and independent {json.dumps(diag['mlp_chain'])}", flush=True)
@@ -611,10 +605,24 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     await worker.run(_set_variant, None, None, None, None)
     del shard
     await worker.run(free_memory)
+
+
+async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
+    """Where the verify step and the shard boundaries lose time (no decode benchmark)."""
+    diag: dict[str, Any] = {}
+    report["diagnose"] = diag
+    worker = MLXWorker()
+    diag["sync_latency_ms"] = await worker.run(sync_latency)
+    config = load_model_config(path)
+    if args.bits < 16:  # the quantized matmul by rows
+        diag["qmm"] = await worker.run(qmm_micro, config, args.group_size, args.bits)
+        print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
+    if "shapes" not in args.skip:
+        await _step_shapes(worker, path, prompt, diag)
     diag["split_steps"] = await worker.run(split_steps, path, prompt, args.rounds)
     print(
         f"  two halves against the whole {json.dumps(diag['split_steps']['medians'])}; "
-        f"tapered / every {json.dumps(diag['split_steps']['tapered_over_every'])}",
+        f"over every 8 layers {json.dumps(diag['split_steps']['over_every'])}",
         flush=True,
     )
     await worker.run(free_memory)
@@ -668,23 +676,29 @@ class _DecodingShard:
         return out
 
 
+# `ModelShard`'s `async_eval` schedules that `split_steps` sets side by side: (the first
+# chunk tapered, the last chunk tapered); "both" is the default.
+SCHEDULES = {"every": (False, False), "last": (False, True), "both": (True, True)}
+
+
 def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 25) -> dict:
     """A decode step over the model's two halves as two nodes run them (the head's output
     read back to the host as bytes, the tail's input uploaded from them, its greedy token
-    read) against the whole model's, with the last chunk's `async_eval`s tapered
-    (`ModelShard`) and not, in alternating rounds: what splitting a step costs beyond the
-    hop."""
+    read) against the whole model's, under each of `SCHEDULES` in rotating order, round after
+    round: what splitting a step costs beyond the hop, and what tapering buys there."""
     layers = load_model_config(path).num_layers
     x = mx.array(prompt)[None]
     head = _DecodingShard(path, ShardSpec(0, layers // 2, True, False), x)
     tail = _DecodingShard(path, ShardSpec(layers // 2, layers, False, True), head.output)
     whole = _DecodingShard(path, ShardSpec.whole(layers), x)
-    rows: dict[str, list[dict[str, float]]] = {"every": [], "tapered": []}
-    token, taper_was = 7, model_shard.TAPER_LAST_CHUNK
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
+    names = list(SCHEDULES)
+    token = 7
+    default = model_shard.TAPER_FIRST_CHUNK, model_shard.TAPER_LAST_CHUNK
     try:
-        for r in range(rounds + 1):  # round 0 warms both schedules
-            for taper in (False, True) if r % 2 == 0 else (True, False):
-                model_shard.TAPER_LAST_CHUNK = taper
+        for r in range(rounds + 1):  # round 0 warms every schedule
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                model_shard.TAPER_FIRST_CHUNK, model_shard.TAPER_LAST_CHUNK = SCHEDULES[name]
                 times: dict[str, list[float]] = {"head": [], "tail": [], "whole": []}
                 for _ in range(iters):
                     t0 = time.perf_counter()
@@ -702,20 +716,23 @@ def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 2
                 row = {key: median(v[iters // 5 :]) for key, v in times.items()}
                 row["halves_over_whole"] = (row["head"] + row["tail"]) / row["whole"]
                 if r:
-                    rows["tapered" if taper else "every"].append(row)
+                    rows[name].append(row)
     finally:
-        model_shard.TAPER_LAST_CHUNK = taper_was
+        model_shard.TAPER_FIRST_CHUNK, model_shard.TAPER_LAST_CHUNK = default
+    keys = list(rows["every"][0])
     return {
         "rounds": rows,
         "medians": {
-            name: {key: median([row[key] for row in runs]) for key in runs[0]}
+            name: {key: median([row[key] for row in runs]) for key in keys}
             for name, runs in rows.items()
         },
-        "tapered_over_every": {
-            key: median(
-                [t[key] / e[key] for e, t in zip(rows["every"], rows["tapered"], strict=True)]
-            )
-            for key in rows["every"][0]
+        "over_every": {
+            name: {
+                key: median([t[key] / e[key] for e, t in zip(rows["every"], runs, strict=True)])
+                for key in keys
+            }
+            for name, runs in rows.items()
+            if name != "every"
         },
     }
 
@@ -1978,7 +1995,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda s: set(s.split(",")),
         default=set(),
         help="phases to leave out: single,mlx_lm,nodes,paired,pipeline (with --diagnose: "
-        "mlx_lm,local)",
+        "shapes,mlx_lm,local)",
     )
     parser.add_argument(
         "--rounds", type=int, default=5, help="rounds of the side-by-side phase (paired)"

@@ -19,19 +19,26 @@ from cluster.model.layers import LayerTraces, PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
 
 ASYNC_EVAL_EVERY = 8  # layers
-# The last chunk's layers are started in halves (4, 2, 1 layers before the end), so that what
-# the device has left once the graph is built is about one layer, not eight: a node's step
-# ends with its output read back, and the next node waits for it.
+# The chunks at both ends are tapered. The first chunk's layers are started after 1, 2 and 4
+# layers: a node's device idles from its step's input until the first start, and with eight
+# layers to build first that was most of what a node's step cost beyond its share of the
+# whole model's (BENCHMARKS.md, run AJ). The last chunk's are started 4, 2 and 1 layers before
+# the end, so that what the device has left once the graph is built is about one layer, not
+# eight: a node's step ends with its output read back, and the next node waits for it.
+TAPER_FIRST_CHUNK = True
 TAPER_LAST_CHUNK = True
 
 
 @functools.cache
-def async_eval_slots(n_layers: int, every: int, taper: bool) -> frozenset[int]:
-    """The layer slots after which `ModelShard` starts the device on what is built."""
+def async_eval_slots(n_layers: int, every: int, first: bool, last: bool) -> frozenset[int]:
+    """The layer slots after which `ModelShard` starts the device on what is built: every
+    `every` layers, the first chunk (`first`) and the last (`last`) tapered."""
     if every > n_layers:
         return frozenset()
     slots = {slot for slot in range(n_layers) if slot % every == every - 1}
-    if taper:
+    if first:
+        slots |= {built - 1 for built in (1, 2, 4) if built < min(every, n_layers)}
+    if last:
         slots |= {n_layers - 1 - left for left in (4, 2, 1) if n_layers - 1 - left >= 0}
     return frozenset(slots)
 
@@ -97,7 +104,9 @@ class ModelShard(nn.Module):
         length = x.shape[1]
         if self.pads_rows:  # a short step's dense layers run on the rows matmuls run cheapest
             x = row_padding.pad_rows(x, row_padding.padded_rows(length))
-        starts = async_eval_slots(len(self.layers), ASYNC_EVAL_EVERY, TAPER_LAST_CHUNK)
+        starts = async_eval_slots(
+            len(self.layers), ASYNC_EVAL_EVERY, TAPER_FIRST_CHUNK, TAPER_LAST_CHUNK
+        )
         for slot, layer in enumerate(self.layers):
             x = layer(x, segments, slot)
             if slot in starts:
