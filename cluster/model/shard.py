@@ -19,13 +19,14 @@ from cluster.model.layers import LayerTraces, PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
 
 ASYNC_EVAL_EVERY = 8  # layers
-# The chunks at both ends are tapered. The first chunk's layers are started after 1, 2 and 4
-# layers: a node's device idles from its step's input until the first start, and with eight
-# layers to build first that was most of what a node's step cost beyond its share of the
-# whole model's (BENCHMARKS.md, run AJ). The last chunk's are started 4, 2 and 1 layers before
-# the end, so that what the device has left once the graph is built is about one layer, not
-# eight: a node's step ends with its output read back, and the next node waits for it.
-TAPER_FIRST_CHUNK = True
+# The last chunk's layers are started 4, 2 and 1 layers before the end, so that what the
+# device has left once the graph is built is about one layer, not eight: a node's step ends
+# with its output read back, and the next node waits for it. The first chunk could be started
+# the same way (after 1, 2 and 4 layers), so that a node's device idles less at the start of
+# its step; measured on an H100 (27B shape, 4 bits, BENCHMARKS.md run AJ) it cost 1-2 % on
+# either half of a split step against the last chunk's taper alone: the device catches up
+# with the host within the chunk anyway. Off.
+TAPER_FIRST_CHUNK = False
 TAPER_LAST_CHUNK = True
 
 
