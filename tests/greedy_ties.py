@@ -74,12 +74,17 @@ def _uniform(top: tuple[tuple[int, float], ...], vocab: int) -> bool:
 
 
 def assert_greedy_identical_with(
-    set_enabled: Callable[[bool | None], None], path, prompts: list[list[int]]
+    set_enabled: Callable[[bool | None], None],
+    path,
+    prompts: list[list[int]],
+    *,
+    trained_mtp: bool = True,
 ) -> None:
     """Greedy decoding of `prompts` on the checkpoint at `path` with a kernel (its default)
     against the reference with it off (`set_enabled(False)`): MTP off, MTP on (drafts
-    rejected and rolled back), and the prompts batched, each equal to the reference up to
-    ties."""
+    rejected and rolled back; with a trained MTP head, `trained_mtp`, some accepted too), and
+    the prompts batched, each equal to the reference up to ties. A random fixture's MTP head
+    drafts what the target almost never takes (seen on an H100: none of the MoE fixture's)."""
     set_enabled(False)
     try:
         reference = run(decode_with_top(path, prompts, mtp=False))
@@ -95,7 +100,8 @@ def assert_greedy_identical_with(
         outs = run(decode_with_top(path, prompts, mtp=mtp))
         assert_same_but_at_ties(outs, reference)
     drafted, accepted = sum(o[2] for o in outs), sum(o[3] for o in outs)
-    assert 0 < accepted < drafted  # drafts rejected, and rolled back
+    assert accepted < drafted  # drafts rejected, and rolled back
+    assert accepted > 0 or not trained_mtp
     assert_same_but_at_ties(
         run(decode_with_top(path, prompts, mtp=True, concurrent=True)), reference
     )

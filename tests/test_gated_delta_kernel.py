@@ -146,5 +146,8 @@ def test_moe_greedy_decoding_identical_with_the_kernel(tmp_path) -> None:
 
     moe = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
     assert_greedy_identical_with(
-        gated_delta_kernel.set_enabled, moe, [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
+        gated_delta_kernel.set_enabled,
+        moe,
+        [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]],
+        trained_mtp=False,
     )
