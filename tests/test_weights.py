@@ -293,6 +293,25 @@ def test_a_node_reads_a_local_copy_of_the_same_model_and_fetches_nothing(
     )
 
 
+def test_receive_buffers_are_reused_once_given_back() -> None:
+    """A stream's chunks arrive in buffers handed back once written: a buffer is never given
+    out twice before it comes back, a chunk larger than the buffers gets its own, and no more
+    than `keep` wait for reuse."""
+    buffers = bulk.ReceiveBuffers(size=16, keep=2)
+    first, second = buffers.take(16), buffers.take(10)
+    assert len(first) == 16 and len(second) == 10 and first.obj is not second.obj
+    buffers.give(second)
+    third = buffers.take(16)
+    assert third.obj is second.obj and len(third) == 16  # reused, at the length asked for
+    assert buffers.take(8).obj is not first.obj  # `first` is still out
+    large = buffers.take(17)
+    assert len(large) == 17
+    for view in (first, third, large, buffers.take(4), buffers.take(4)):
+        buffers.give(view)
+    kept = {id(buffers.take(1).obj) for _ in range(3)}
+    assert id(large.obj) not in kept and len(kept) == 3  # two kept for reuse, one new
+
+
 # ---- bad input ----
 
 

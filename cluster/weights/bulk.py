@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import socket
 import socketserver
 import struct
@@ -141,12 +142,45 @@ def _send_refusal(sock: socket.socket, message: str) -> None:
 # ---- the node's side ----
 
 
+class ReceiveBuffers:
+    """Chunk-sized buffers that the node's streams receive into, each handed back (`give`)
+    once its chunk is verified and written. A fresh buffer per chunk cost the node a zeroed
+    page per 4 KiB of every chunk, as much CPU as hashing it: reused, the fetch went from
+    0.41-0.47x to 0.51x of a file copy here (BENCHMARKS.md, issue 8)."""
+
+    def __init__(self, size: int, keep: int):
+        self.size = size
+        self.keep = keep  # buffers held for reuse at most: the chunks a transfer has in flight
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+
+    def take(self, n: int) -> memoryview:
+        """A writable view of n bytes, of a buffer nobody else uses until it is given back."""
+        if n > self.size:
+            return memoryview(bytearray(n))
+        try:
+            buffer = self._free.get_nowait()
+        except queue.Empty:
+            buffer = bytearray(self.size)
+        return memoryview(buffer)[:n]
+
+    def give(self, view: memoryview) -> None:
+        """Hand back the buffer under `view` (from `take`); the caller is done with it."""
+        buffer = view.obj
+        ours = isinstance(buffer, bytearray) and len(buffer) == self.size
+        if ours and self._free.qsize() < self.keep:
+            self._free.put(buffer)
+
+
 def fetch_pieces(
-    address: tuple[str, int], token: str, request: pb.WeightsFetchRequest
+    address: tuple[str, int],
+    token: str,
+    request: pb.WeightsFetchRequest,
+    buffers: ReceiveBuffers | None = None,
 ) -> Iterator[memoryview]:
-    """The answers to `request`, in its order, each a view of its own buffer; `BulkRefused`
-    with the coordinator's message if it refuses, `BulkUnreachable` if it cannot connect,
-    another `OSError` if the stream breaks."""
+    """The answers to `request`, in its order, each a view of its own buffer (taken from
+    `buffers` where given, for the caller to give back); `BulkRefused` with the coordinator's
+    message if it refuses, `BulkUnreachable` if it cannot connect, another `OSError` if the
+    stream breaks."""
     expected = len(request.chunks) + len(request.files)
     hello = request.SerializeToString()
     secret = token.encode()
@@ -163,9 +197,9 @@ def fetch_pieces(
             (n,) = LENGTH.unpack(_recv_exact(sock, LENGTH.size))
             if n == REFUSED:
                 _raise_refusal(sock)
-            buffer = bytearray(n)
-            _recv_into(sock, buffer)
-            yield memoryview(buffer)
+            view = buffers.take(n) if buffers is not None else memoryview(bytearray(n))
+            _recv_into(sock, view)
+            yield view
         # The coordinator closes after the last answer, or refuses (a refusal of a request
         # asking for nothing comes here too).
         end = sock.recv(LENGTH.size, socket.MSG_WAITALL)
@@ -186,7 +220,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buffer)
 
 
-def _recv_into(sock: socket.socket, buffer: bytearray) -> None:
+def _recv_into(sock: socket.socket, buffer: bytearray | memoryview) -> None:
     view, got = memoryview(buffer), 0
     while got < len(buffer):
         n = sock.recv_into(view[got:])

@@ -230,15 +230,21 @@ class ShardFetcher:
         chunk overlaps verifying the last one and memory stays a few chunks per stream."""
         parts = _split(missing, cached.manifest, self.streams)
         failed: list[ChunkRef] = []
+        # Each stream has at most AHEAD chunks waiting, one being verified, one arriving.
+        buffers = bulk.ReceiveBuffers(cached.manifest.chunk_bytes, len(parts) * (AHEAD + 2))
 
         def verify_and_write(ref: ChunkRef, data: memoryview) -> None:
-            received = len(data.obj) if data.obj is not None else len(data)
-            if not cached.chunk_hash_ok(ref, data):
-                log.warning("chunk %s #%d failed its hash; it will be fetched again", *ref)
-                failed.append(ref)
-                self.progress.add(0, received)
-                return
-            cached.write_chunk(ref, data)
+            # A gRPC message's bytes, protocol included; a bulk stream's chunk is all it sent.
+            received = len(data.obj) if isinstance(data.obj, bytes) else len(data)
+            try:
+                if not cached.chunk_hash_ok(ref, data):
+                    log.warning("chunk %s #%d failed its hash; it will be fetched again", *ref)
+                    failed.append(ref)
+                    self.progress.add(0, received)
+                    return
+                cached.write_chunk(ref, data)
+            finally:
+                buffers.give(data)
             self.progress.add(len(data), received)
             self._maybe_crash()
 
@@ -249,7 +255,8 @@ class ShardFetcher:
             received = 0
             try:
                 nbytes = sum(_chunk_len(cached.manifest, ref) for ref in part)
-                for ref, data in zip(part, self._stream(stream, request, nbytes), strict=False):
+                pieces = self._stream(stream, request, nbytes, buffers)
+                for ref, data in zip(part, pieces, strict=False):
                     pending.append(workers.submit(verify_and_write, ref, data))
                     received += 1
                     while len(pending) > AHEAD:
@@ -268,12 +275,18 @@ class ShardFetcher:
                 future.result()
         return failed
 
-    def _stream(self, stream: int, request: pb.WeightsFetchRequest, nbytes: int = 0):
+    def _stream(
+        self,
+        stream: int,
+        request: pb.WeightsFetchRequest,
+        nbytes: int = 0,
+        buffers: bulk.ReceiveBuffers | None = None,
+    ):
         bulk_address = self._bulk_target(request.model_digest)
         if bulk_address is not None:
             host, port = bulk_address
             try:
-                yield from bulk.fetch_pieces(bulk_address, self.token, request)
+                yield from bulk.fetch_pieces(bulk_address, self.token, request, buffers)
                 return
             except bulk.BulkUnreachable as error:  # before any answer: gRPC from now on
                 log.warning("%s; fetching over the weights service's gRPC stream", error)
