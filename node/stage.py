@@ -142,7 +142,7 @@ class StageStats:
         return sum(self.latencies_ms) / len(self.latencies_ms) if self.latencies_ms else 0.0
 
     def mean_phases(self) -> pb.StepPhases:
-        """Where recent batches' time went, means in ms (zeros before any)."""
+        """Where recent decode batches' time went, means in ms (zeros before any)."""
         if not (n := len(self.phases_ms)):
             return pb.StepPhases()
         means = [sum(column) / n for column in zip(*self.phases_ms, strict=True)]
