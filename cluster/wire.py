@@ -383,3 +383,11 @@ def _top_logprobs_from_proto(
     if not m.top_logprobs:
         return None
     return tuple(tuple(zip(top.tokens, top.logprobs, strict=True)) for top in m.top_logprobs)
+
+
+def step_phases_ms(info: pb.NodeInfo) -> dict[str, float]:
+    """A node's `step_phases` by phase name ("layers": ms, ...); empty before its first step."""
+    if not info.HasField("step_phases"):
+        return {}
+    phases = info.step_phases
+    return {f.name.removesuffix("_ms"): getattr(phases, f.name) for f in phases.DESCRIPTOR.fields}

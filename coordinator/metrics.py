@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 
@@ -61,6 +61,9 @@ class NodeStatus:
     mlx_active_bytes: int = 0
     mlx_cache_bytes: int = 0
     mlx_peak_bytes: int = 0
+    # Where the node's recent decode steps went, ms by phase (queued, handoff, decode,
+    # layers, encode, send: `pb.StepPhases`); empty before its first step.
+    step_phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

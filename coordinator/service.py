@@ -24,6 +24,7 @@ from cluster.decode.prefix_index import PrefixIndex
 from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_placement
+from cluster.wire import step_phases_ms
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.api_keys import ApiKeys
@@ -423,6 +424,7 @@ class Coordinator:
             mlx_active_bytes=info.mlx_active_bytes,
             mlx_cache_bytes=info.mlx_cache_bytes,
             mlx_peak_bytes=info.mlx_peak_bytes,
+            step_phases_ms=step_phases_ms(info),
         )
 
     def stats(self) -> ClusterStats:

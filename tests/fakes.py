@@ -117,7 +117,14 @@ def node(index: int, *, up: bool = True, layers: int = 8, nodes: int = 3) -> Nod
         memory_total_bytes=64 * 2**30,
         step_latency_ms=3.5 + index,
         device=f"Apple M{index + 2} Max",
+        step_phases_ms=step_phases(index),
     )
+
+
+def step_phases(index: int) -> dict[str, float]:
+    """A node's step phases (ms) that add up to its `step_latency_ms` (handoff through encode)."""
+    return {"queued": 0.05, "handoff": 0.2, "decode": 0.1, "layers": 3.1 + index, "encode": 0.1,
+            "send": 0.04}  # fmt: skip
 
 
 @dataclass(slots=True)

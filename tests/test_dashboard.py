@@ -67,6 +67,8 @@ def test_dashboard_shows_nodes_and_marks_a_down_one(page_and_server: tuple[Any, 
         expect(card).to_contain_text(node.address)
         expect(card).to_contain_text(f"[{node.start}, {node.end})")
         expect(card).to_contain_text(f"{node.step_latency_ms:.1f} ms")
+        phases = node.step_phases_ms
+        expect(card).to_contain_text(f"layers {phases['layers']:.2f} · handoff 0.20 · decode 0.10")
         expect(card.locator(".badge")).to_have_text("UP")
         expect(card).not_to_have_class(re.compile(r"\bnode-down\b"))
     expect(cards.nth(0)).to_contain_text("head")

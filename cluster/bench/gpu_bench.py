@@ -81,6 +81,7 @@ from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
 from cluster.model.shard import ModelShard, ShardSpec
+from cluster.wire import step_phases_ms
 
 REPO = Path(__file__).resolve().parents[2]
 ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -1384,13 +1385,7 @@ async def _paired_round(
         # Where each node's decode steps of the last MTP-off run went (`pb.StepPhases`), and
         # its step: from the MLX thread's handoff to its output encoded.
         infos = [await c.info() for c in remote.pipeline.clients]
-        row["node_phases_ms"] = [
-            {
-                f.name.removesuffix("_ms"): getattr(info.step_phases, f.name)
-                for f in info.step_phases.DESCRIPTOR.fields
-            }
-            for info in infos
-        ]
+        row["node_phases_ms"] = [step_phases_ms(info) for info in infos]
         row["node_step_ms"] = [
             sum(phases[name] for name in ("handoff", "decode", "layers", "encode"))
             for phases in row["node_phases_ms"]

@@ -33,6 +33,8 @@ function meter(label, used, total, color) {
   return box;
 }
 
+const STEP_PHASES = ["layers", "handoff", "decode", "encode", "send", "queued"];
+
 function nodeCard(node, index) {
   const card = el("article", "node" + (node.up ? "" : " node-down"));
   card.dataset.nodeId = node.node_id;
@@ -58,6 +60,13 @@ function nodeCard(node, index) {
     ["Step latency", el("dd", "mono", `${node.step_latency_ms.toFixed(1)} ms`)],
     ["Heartbeat", heartbeat],
   ];
+  const phases = node.step_phases_ms || {};
+  if (phases.layers) {
+    // Where the node's recent decode steps went (NodeInfo.step_phases): a slow pipeline
+    // shows here whether its time is in the layers or around them.
+    const parts = STEP_PHASES.map((name) => `${name} ${phases[name].toFixed(2)}`);
+    rows.push(["Step phases", el("dd", "mono", `${parts.join(" · ")} ms`)]);
+  }
   if (node.prefix_budget_bytes) {
     const mib = (node.prefix_snapshot_bytes / 2 ** 20).toFixed(1);
     const budget = (node.prefix_budget_bytes / 2 ** 20).toFixed(0);
