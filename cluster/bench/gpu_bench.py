@@ -678,7 +678,7 @@ class _DecodingShard:
 
 
 # `ModelShard`'s `async_eval` schedules that `split_steps` sets side by side: (the first
-# chunk tapered, the last chunk tapered); "both" is the default.
+# chunk tapered, the last chunk tapered); "last" is the default.
 SCHEDULES = {"every": (False, False), "last": (False, True), "both": (True, True)}
 
 
