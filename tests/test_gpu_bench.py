@@ -100,3 +100,19 @@ def test_tiny_variants_interleaved(tmp_path: Path) -> None:
     summary = interleaved["summary"][second]
     assert summary["mtp_on_tps"]["over_first"] > 0 and summary["verify_over_plain"] > 0
     assert f"interleaved [{second}]" in stdout and "over the first" in stdout
+
+
+def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> None:
+    """`--diagnose`'s split step under each async_eval schedule, and each half's step back to
+    back against after an idle or a busy wait (the other phases left out)."""
+    stdout, report = _tiny_run(
+        tmp_path, "--diagnose", "--skip", "shapes,mlx_lm,local", "--rounds", "1", *BF16,
+    )  # fmt: skip
+    diag = report["diagnose"]
+    assert set(diag["split_steps"]["medians"]) == {"every", "last", "both"}
+    assert diag["split_steps"]["medians"]["last"]["halves_over_whole"] > 0
+    idle = diag["idle_steps"]
+    assert idle["gap_ms"] > 0 and len(idle["rounds"]["idle"]) == 1
+    assert set(idle["over_back_to_back"]) == {"idle", "busy"}
+    assert all(v > 0 for row in idle["over_back_to_back"].values() for v in row.values())
+    assert "two halves against the whole" in stdout and "ms asleep" in stdout

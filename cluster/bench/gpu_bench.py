@@ -58,11 +58,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
 from cluster.bench.oracle_node import install_oracle, remove_oracle
+from cluster.bench.split_step import idle_steps, split_steps
 from cluster.config import ModelConfig, load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.pipeline import LocalPipeline
@@ -608,6 +608,10 @@ async def _step_shapes(
     await worker.run(free_memory)
 
 
+def _pair_ms(halves: dict[str, float]) -> str:
+    return f"{halves['head']:.2f} and {halves['tail']:.2f} ms"
+
+
 async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
     """Where the verify step and the shard boundaries lose time (no decode benchmark)."""
     diag: dict[str, Any] = {}
@@ -620,13 +624,25 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
         print(f"  qmm {json.dumps(diag['qmm'])}", flush=True)
     if "shapes" not in args.skip:
         await _step_shapes(worker, path, prompt, diag)
-    diag["split_steps"] = await worker.run(split_steps, path, prompt, args.rounds)
-    print(
-        f"  two halves against the whole {json.dumps(diag['split_steps']['medians'])}; "
-        f"over every 8 layers {json.dumps(diag['split_steps']['over_every'])}",
-        flush=True,
-    )
-    await worker.run(free_memory)
+    if "split" not in args.skip:
+        diag["split_steps"] = await worker.run(split_steps, path, prompt, args.rounds)
+        print(
+            f"  two halves against the whole {json.dumps(diag['split_steps']['medians'])}; "
+            f"over every 8 layers {json.dumps(diag['split_steps']['over_every'])}",
+            flush=True,
+        )
+        await worker.run(free_memory)
+    if "idle" not in args.skip:
+        idle = diag["idle_steps"] = await worker.run(idle_steps, path, prompt, args.rounds)
+        m, ratio = idle["medians"], idle["over_back_to_back"]
+        print(
+            f"  each half's step (head, tail) back to back {_pair_ms(m['back_to_back'])}; "
+            f"after {idle['gap_ms']:.2f} ms asleep {_pair_ms(m['idle'])} "
+            f"({ratio['idle']['head']:.3f}x, {ratio['idle']['tail']:.3f}x), spinning "
+            f"{_pair_ms(m['busy'])} ({ratio['busy']['head']:.3f}x, {ratio['busy']['tail']:.3f}x)",
+            flush=True,
+        )
+        await worker.run(free_memory)
     if "mlx_lm" not in args.skip:
         with _recorded(diag, "mlx_lm_error"):
             diag["mlx_lm_forward"] = await worker.run(mlx_lm_forward, path, prompt, 30, 5)
@@ -656,86 +672,6 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
         finally:
             await local.worker.run(free_memory)
             local.close()
-
-
-class _DecodingShard:
-    """A shard with one request's cache, prefilled; `run` steps it (and a tail on to its
-    greedy token), evaluated."""
-
-    def __init__(self, path: Path, spec: ShardSpec, x: mx.array) -> None:
-        self.shard = load_shard(path, spec, mtp=False, for_decoding=True)
-        self.cache = RequestCache.for_layers(self.shard.linear_flags)
-        self.output = self.run(self.shard.embed(x) if spec.is_head else x)
-
-    def run(self, x: mx.array) -> mx.array:
-        length = x.shape[1]
-        self.cache.begin_step(0, length)
-        out = self.shard(x, [Segment(self.cache, length, length)])
-        if self.shard.spec.is_tail:  # through to the greedy token, as a tail's step
-            out = mx.argmax(self.shard.logits(self.shard.norm(out[:, -1])), axis=-1)
-        mx.eval(out, self.cache.arrays())
-        return out
-
-
-# `ModelShard`'s `async_eval` schedules that `split_steps` sets side by side: (the first
-# chunk tapered, the last chunk tapered); "last" is the default.
-SCHEDULES = {"every": (False, False), "last": (False, True), "both": (True, True)}
-
-
-def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 25) -> dict:
-    """A decode step over the model's two halves as two nodes run them (the head's output
-    read back to the host as bytes, the tail's input uploaded from them, its greedy token
-    read) against the whole model's, under each of `SCHEDULES` in rotating order, round after
-    round: what splitting a step costs beyond the hop, and what tapering buys there."""
-    layers = load_model_config(path).num_layers
-    x = mx.array(prompt)[None]
-    head = _DecodingShard(path, ShardSpec(0, layers // 2, True, False), x)
-    tail = _DecodingShard(path, ShardSpec(layers // 2, layers, False, True), head.output)
-    whole = _DecodingShard(path, ShardSpec.whole(layers), x)
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
-    names = list(SCHEDULES)
-    token = 7
-    default = model_shard.TAPER_FIRST_CHUNK, model_shard.TAPER_LAST_CHUNK
-    try:
-        for r in range(rounds + 1):  # round 0 warms every schedule
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                model_shard.TAPER_FIRST_CHUNK, model_shard.TAPER_LAST_CHUNK = SCHEDULES[name]
-                times: dict[str, list[float]] = {"head": [], "tail": [], "whole": []}
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    out = head.run(head.shard.embed(mx.array([[token]])))
-                    sent = bytes(memoryview(out))
-                    t1 = time.perf_counter()
-                    received = mx.array(np.frombuffer(sent, np.uint8)).view(out.dtype)
-                    next_token = tail.run(received.reshape(out.shape)).item()
-                    t2 = time.perf_counter()
-                    whole.run(whole.shard.embed(mx.array([[token]]))).item()
-                    t3 = time.perf_counter()
-                    for key, seconds in (("head", t1 - t0), ("tail", t2 - t1), ("whole", t3 - t2)):
-                        times[key].append(seconds * 1e3)
-                    token = 5 + next_token % 4000
-                row = {key: median(v[iters // 5 :]) for key, v in times.items()}
-                row["halves_over_whole"] = (row["head"] + row["tail"]) / row["whole"]
-                if r:
-                    rows[name].append(row)
-    finally:
-        model_shard.TAPER_FIRST_CHUNK, model_shard.TAPER_LAST_CHUNK = default
-    keys = list(rows["every"][0])
-    return {
-        "rounds": rows,
-        "medians": {
-            name: {key: median([row[key] for row in runs]) for key in keys}
-            for name, runs in rows.items()
-        },
-        "over_every": {
-            name: {
-                key: median([t[key] / e[key] for e, t in zip(rows["every"], runs, strict=True)])
-                for key in keys
-            }
-            for name, runs in rows.items()
-            if name != "every"
-        },
-    }
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int) -> float:
@@ -1990,7 +1926,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda s: set(s.split(",")),
         default=set(),
         help="phases to leave out: single,mlx_lm,nodes,paired,pipeline (with --diagnose: "
-        "shapes,mlx_lm,local)",
+        "shapes,split,idle,mlx_lm,local)",
     )
     parser.add_argument(
         "--rounds", type=int, default=5, help="rounds of the side-by-side phase (paired)"
@@ -2013,8 +1949,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--diagnose",
         action="store_true",
         help="only the diagnosis: quantized matmul by rows, the backbone by step shape and its "
-        "graph's primitives, a step split in two halves, mlx-lm's forward, the engine over 1 "
-        "and 3 in-process shards",
+        "graph's primitives, a step split in two halves, each half after idling, mlx-lm's "
+        "forward, the engine over 1 and 3 in-process shards",
     )
     parser.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-comm", action="store_true", help=argparse.SUPPRESS)
