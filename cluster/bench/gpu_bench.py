@@ -4,11 +4,8 @@
     python -m cluster.bench.gpu_bench --shape tiny --json /tmp/gpu-tiny.json   # CPU smoke run
 
 1. Writes a random-weight checkpoint of the shape (Qwen3.5-27B: 64 layers, hidden 5120, vocab
-   248320, untied lm_head, one MTP layer) in the MLX layout, quantized like an MLX-converted
-   model (`mtp.fc` and the norms unquantized, as `cluster convert` leaves them), with its
-   `mtp.*` tensors and a synthetic word-level tokenizer of the full vocabulary, one layer at a
-   time (memory: one layer plus the embedding). `cluster.model.loading.load_shard` and `mlx_lm.load`
-   both read it. The logits of a prompt are checked to be finite.
+   248320, untied lm_head, one MTP layer; `cluster.bench.random_checkpoint`). The logits of a
+   prompt are checked to be finite.
 2. In this process, on one MLX worker thread: the copy bandwidth; `ShardRunner.run` over the
    whole model for a plain one-token step and for a verify step `[y, d]` (MTP head included),
    medians of synchronised steps after warm-up, and a breakdown (graph building vs evaluation of
@@ -45,7 +42,6 @@ import os
 import random
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -58,10 +54,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 
 from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
 from cluster.bench.oracle_node import install_oracle, remove_oracle
+from cluster.bench.random_checkpoint import SHAPES, bench_prompt, default_dir, write_checkpoint
 from cluster.bench.split_step import idle_steps, split_steps
 from cluster.config import ModelConfig, load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
@@ -80,197 +77,10 @@ from cluster.model import shard as model_shard
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
-from cluster.model.shard import ModelShard, ShardSpec
+from cluster.model.shard import ModelShard
 from cluster.wire import step_phases_ms
 
 REPO = Path(__file__).resolve().parents[2]
-ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
-SHAPES: dict[str, dict[str, Any]] = {
-    # Qwen3.5-27B (text): mlx-lm's TextModelArgs field names.
-    "qwen3_5_27b": {
-        "hidden_size": 5120,
-        "num_hidden_layers": 64,
-        "full_attention_interval": 4,
-        "intermediate_size": 17408,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "vocab_size": 248320,
-        "max_position_embeddings": 262144,
-        "rope_parameters": {**ROPE, "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-    },
-    # The bundled model's shape with a larger vocabulary: a CPU smoke run of every phase.
-    "tiny": {
-        "hidden_size": 256,
-        "num_hidden_layers": 8,
-        "full_attention_interval": 4,
-        "intermediate_size": 768,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "linear_conv_kernel_dim": 4,
-        "vocab_size": 4096,
-        "max_position_embeddings": 8192,
-        "rope_parameters": {**ROPE, "mrope_section": [3, 3, 2], "mrope_interleaved": True},
-    },
-}
-_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
-MARKER = "bench_checkpoint.json"
-
-
-# ---- the random-weight checkpoint ----------------------------------------------------------
-
-
-def model_config(shape: str, bits: int, group_size: int) -> dict[str, Any]:
-    text = dict(SHAPES[shape])
-    layers, interval = text["num_hidden_layers"], text["full_attention_interval"]
-    text.update(
-        model_type="qwen3_5_text",
-        tie_word_embeddings=False,
-        mtp_num_hidden_layers=1,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        attention_bias=False,
-        dtype="bfloat16",
-        eos_token_id=text["vocab_size"] - 1,
-        layer_types=[
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(layers)
-        ],
-    )
-    config: dict[str, Any] = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": text,
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-        "eos_token_id": text["eos_token_id"],
-    }
-    if bits < 16:
-        q = {"group_size": group_size, "bits": bits, "mode": "affine"}
-        config["quantization"] = q
-        config["quantization_config"] = q
-    return config
-
-
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one word per id ("t0" ... ), so that any sampled id decodes
-    (mlx-lm's loader wants a tokenizer; the speed of the model does not depend on it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20})
-    )
-
-
-def mlx_key(name: str, spec: ShardSpec) -> str:
-    """A one-layer shard's parameter name to its key in an MLX-converted directory."""
-    if match := _LAYER.match(name):
-        return f"language_model.model.layers.{int(match.group(1)) + spec.start}.{match.group(2)}"
-    if name.startswith(("embed_tokens.", "norm.")):
-        return f"language_model.model.{name}"
-    if name.startswith("lm_head."):
-        return f"language_model.{name}"
-    return name  # mtp.*
-
-
-def _bf16(shard: nn.Module) -> None:
-    def cast(path: str, value: mx.array) -> mx.array:
-        if path.endswith("A_log") or not mx.issubdtype(value.dtype, mx.floating):
-            return value
-        return value.astype(mx.bfloat16)
-
-    shard.update(tree_map_with_path(cast, shard.parameters()))
-
-
-def _quantizable(group_size: int) -> Callable[[str, nn.Module], bool]:
-    def predicate(path: str, module: nn.Module) -> bool:
-        if not hasattr(module, "to_quantized") or path == "mtp.fc":
-            return False
-        return module.weight.shape[-1] % group_size == 0
-
-    return predicate
-
-
-def write_checkpoint(path: Path, shape: str, bits: int, group_size: int, seed: int) -> dict:
-    """Write (or reuse) the random checkpoint; returns what was done and its size."""
-    want = {"shape": shape, "bits": bits, "group_size": group_size, "seed": seed, "version": 1}
-    marker = path / MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == want:
-        return {"reused": True, "bytes": _dir_bytes(path), "seconds": 0.0}
-    started = time.perf_counter()
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    raw = model_config(shape, bits, group_size)
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    write_tokenizer(path, raw["text_config"]["vocab_size"])
-    config = load_model_config(path)
-    mx.random.seed(seed)
-    layers = config.num_layers
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i in range(layers):
-        spec = ShardSpec(i, i + 1, is_head=i == 0, is_tail=i == layers - 1)
-        tensors = _layer_tensors(config, spec, bits, group_size)
-        file_name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
-        mx.save_safetensors(str(path / file_name), tensors, metadata={"format": "mlx"})
-        weight_map.update(dict.fromkeys(tensors, file_name))
-        total += sum(v.nbytes for v in tensors.values())
-        del tensors
-        mx.clear_cache()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    marker.write_text(json.dumps(want))
-    return {"reused": False, "bytes": total, "seconds": time.perf_counter() - started}
-
-
-def _layer_tensors(
-    config: ModelConfig, spec: ShardSpec, bits: int, group_size: int
-) -> dict[str, mx.array]:
-    """One decoder layer (plus the head's or the tail's extras), randomly initialised by the
-    modules' own initialisers, cast to bf16 and quantized."""
-    shard = ModelShard(config, spec, with_mtp=spec.is_tail and config.mtp_layers > 0)
-    _bf16(shard)
-    if bits < 16:
-        nn.quantize(
-            shard, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size)
-        )
-    tensors = {
-        mlx_key(name, spec): value
-        for name, value in tree_flatten(shard.parameters())
-        if spec.is_head or not name.startswith("embed_tokens.")  # the tail's copy
-    }
-    mx.eval(list(tensors.values()))
-    return tensors
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
-def default_dir(shape: str, bits: int) -> Path:
-    """tmpfs when it has room for the checkpoint twice over, else the temp dir."""
-    shm = Path("/dev/shm")
-    need = {"qwen3_5_27b": 40 << 30}.get(shape, 1 << 30)
-    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > need else Path("/tmp")
-    return base / f"gpu-bench-{shape}-q{bits}"
-
-
-def bench_prompt(vocab: int, length: int, seed: int = 0) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(vocab) for _ in range(length))
 
 
 # ---- measurements on the MLX worker thread -------------------------------------------------

@@ -384,20 +384,20 @@ def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dic
 
 def shape_steps(args) -> None:
     """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
-    from cluster.bench import gpu_bench
+    from cluster.bench import gpu_bench, random_checkpoint
     from cluster.config import load_model_config
     from cluster.model.loading import load_shard
 
     started = time.perf_counter()
-    path = args.model or gpu_bench.default_dir(args.shape, args.bits)
+    path = args.model or random_checkpoint.default_dir(args.shape, args.bits)
     report: dict = {
         "machine": {**machine(), "gpu": gpu_bench.device_name()},
         "args": vars(args) | {"model": str(path)},
-        "checkpoint": gpu_bench.write_checkpoint(path, args.shape, args.bits, 64, 0),
+        "checkpoint": random_checkpoint.write_checkpoint(path, args.shape, args.bits, 64, 0),
     }
     gpu_bench.free_memory()
     print(f"checkpoint {path}: {report['checkpoint']}", flush=True)
-    prompt = gpu_bench.bench_prompt(load_model_config(path).text.vocab_size, 64)
+    prompt = random_checkpoint.bench_prompt(load_model_config(path).text.vocab_size, 64)
     runner = ShardRunner(load_shard(path))
     report.update(steps_and_keep(runner, prompt, args.step_iters))
     report["seconds"] = time.perf_counter() - started
@@ -417,7 +417,7 @@ def main() -> None:
     parser.add_argument(
         "--shape",
         default=None,
-        help="a real model's shape with random weights (cluster.bench.gpu_bench's, e.g. "
+        help="a real model's shape with random weights (cluster.bench.random_checkpoint's, e.g. "
         "qwen3_5_27b): parts 2 and 3 only, acceptance needs trained weights",
     )
     parser.add_argument("--bits", type=int, default=4, help="with --shape; 16: bf16")
