@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.config import ModelConfig, load_model_config
+from cluster.model.convert import mlx_name
 from cluster.model.shard import ModelShard, ShardSpec
 
 ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -64,7 +64,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_parameters": {**ROPE, "mrope_section": [3, 3, 2], "mrope_interleaved": True},
     },
 }
-_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 MARKER = "bench_checkpoint.json"
 
 
@@ -111,17 +110,6 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20})
     )
-
-
-def mlx_key(name: str, spec: ShardSpec) -> str:
-    """A one-layer shard's parameter name to its key in an MLX-converted directory."""
-    if match := _LAYER.match(name):
-        return f"language_model.model.layers.{int(match.group(1)) + spec.start}.{match.group(2)}"
-    if name.startswith(("embed_tokens.", "norm.")):
-        return f"language_model.model.{name}"
-    if name.startswith("lm_head."):
-        return f"language_model.{name}"
-    return name  # mtp.*
 
 
 def _bf16(shard: nn.Module) -> None:
@@ -186,7 +174,7 @@ def _layer_tensors(
             shard, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size)
         )
     tensors = {
-        mlx_key(name, spec): value
+        mlx_name(name, spec): value
         for name, value in tree_flatten(shard.parameters())
         if spec.is_head or not name.startswith("embed_tokens.")  # the tail's copy
     }
