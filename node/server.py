@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from cluster import __version__
 from cluster.config import ModelDirError
 from cluster.decode.runner import ShardRunner
-from cluster.decode.worker import MLXWorker
+from cluster.decode.worker import GPU_SPIN_S, MLXWorker
 from cluster.messages import RequestError
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
@@ -107,6 +107,7 @@ class NodeService(pb_grpc.NodeServicer):
         tls: TLSConfig | None = None,
         weights_store: WeightsStore | None = None,
         prefix_budget_bytes: int | None = None,
+        spin_s: float | None = None,
     ):
         self.token = token
         self.prefix_budget_bytes = prefix_budget_bytes
@@ -114,7 +115,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.node_id = node_id
         self.cache_budget_bytes = cache_budget_bytes
         self.idle_timeout_s = idle_timeout_s
-        self.worker = MLXWorker()
+        self.worker = MLXWorker(spin_s)
         self.subscribers = Subscribers()
         self.stage: Stage | None = None
         self.shard_request: pb.LoadShardRequest | None = None
@@ -384,8 +385,10 @@ async def serve(
     tls: TLSConfig | None = None,
     weights_store: WeightsStore | None = None,
     prefix_budget_bytes: int | None = None,
+    spin_s: float | None = None,
 ) -> None:
-    """Run a node until cancelled."""
+    """Run a node until cancelled. `spin_s`: how long its MLX thread stays awake for the next
+    step (`MLXWorker`; None: the backend's default)."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
     service = NodeService(
         token=token,
@@ -395,6 +398,7 @@ async def serve(
         tls=tls,
         weights_store=weights_store,
         prefix_budget_bytes=prefix_budget_bytes,
+        spin_s=spin_s,
     )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
@@ -511,6 +515,13 @@ async def serve(
     default=None,
     help="Disk cap of the weights cache; least recently used models are evicted.",
 )
+@click.option(
+    "--spin-ms",
+    type=float,
+    default=None,
+    help="How long the MLX thread stays awake after a step for the next one, in ms "
+    f"[default: {GPU_SPIN_S * 1e3:.0f} on a GPU, 0 on the CPU backend].",
+)
 def node_command(
     host: str,
     port: int,
@@ -526,6 +537,7 @@ def node_command(
     tls_key: str | None,
     cache_dir: Path | None,
     cache_cap_gb: float | None,
+    spin_ms: float | None,
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
     if token_file is not None:
@@ -548,6 +560,8 @@ def node_command(
     prefix_budget = int(prefix_cache_gb * 2**30) if prefix_cache_gb is not None else None
     if cache_cap_gb is not None and cache_cap_gb <= 0:
         raise click.BadParameter("--cache-cap-gb must be positive")
+    if spin_ms is not None and spin_ms < 0:
+        raise click.BadParameter("--spin-ms must be >= 0")
     store = WeightsStore(
         cache_dir or default_cache_dir(),
         int(cache_cap_gb * 2**30) if cache_cap_gb is not None else None,
@@ -568,6 +582,7 @@ def node_command(
                 tls=tls,
                 weights_store=store,
                 prefix_budget_bytes=prefix_budget,
+                spin_s=spin_ms / 1e3 if spin_ms is not None else None,
             )
         )
     except KeyboardInterrupt:

@@ -47,15 +47,23 @@ def test_tiny_one_process_phase_reports_its_figures(tmp_path: Path) -> None:
 
 
 def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
-    """The paired phase: one process, mlx-lm and 2 node processes loaded at once, one round
-    (MTP off alternated twice), then concurrent requests in one process (MTP steps built
+    """The paired phase: one process, mlx-lm and two sets of 2 node processes loaded at once,
+    one round (MTP off alternated twice), then concurrent requests in one process (MTP steps built
     before their verdicts and waiting, in turn) and over the nodes micro-batched and in one
     batch."""
     stdout, report = _tiny_run(
         tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1", "--off-pairs", "2",
-        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", *BF16,
+        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", "--node-spin-ms", "0,5",
+        *BF16,
     )  # fmt: skip
     paired = report["paired"]
+    # Two node sets, their MLX threads asleep between steps and awake 5 ms: each its ratio.
+    row = paired["rounds"][0]
+    assert set(row["by_spin"]) == {"spin 0 ms", "spin 5 ms"}
+    assert row["nodes_off_pairs"] == row["by_spin"]["spin 0 ms"]["nodes_off_pairs"]
+    for spun in paired["by_spin"].values():
+        assert spun["nodes_off_over_one_process"] > 0 and len(spun["node_step_over_share"]) == 2
+    assert "node set spin 5 ms: MTP off / one process" in stdout
     assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
     assert all(value > 0 for value in paired["ratios"].values())
     assert len(paired["rounds"][0]["nodes_off_pairs"]) == 2
@@ -104,7 +112,7 @@ def test_tiny_variants_interleaved(tmp_path: Path) -> None:
 
 def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> None:
     """`--diagnose`'s split step under each async_eval schedule, and each half's step back to
-    back against after an idle or a busy wait (the other phases left out)."""
+    back against after an idle wait and busy ones (the other phases left out)."""
     stdout, report = _tiny_run(
         tmp_path, "--diagnose", "--skip", "shapes,mlx_lm,local", "--rounds", "1", *BF16,
     )  # fmt: skip
@@ -113,6 +121,6 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
     assert diag["split_steps"]["medians"]["last"]["halves_over_whole"] > 0
     idle = diag["idle_steps"]
     assert idle["gap_ms"] > 0 and len(idle["rounds"]["idle"]) == 1
-    assert set(idle["over_back_to_back"]) == {"idle", "busy"}
+    assert set(idle["over_back_to_back"]) == {"idle", "busy", "busy_without_gil"}
     assert all(v > 0 for row in idle["over_back_to_back"].values() for v in row.values())
     assert "two halves against the whole" in stdout and "ms asleep" in stdout

@@ -445,11 +445,17 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     if "idle" not in args.skip:
         idle = diag["idle_steps"] = await worker.run(idle_steps, path, prompt, args.rounds)
         m, ratio = idle["medians"], idle["over_back_to_back"]
+        after = "; ".join(
+            f"{how} {_pair_ms(m[name])} ({ratio[name]['head']:.3f}x, {ratio[name]['tail']:.3f}x)"
+            for name, how in (
+                ("idle", "asleep"),
+                ("busy", "spinning"),
+                ("busy_without_gil", "spinning without the GIL"),
+            )
+        )
         print(
             f"  each half's step (head, tail) back to back {_pair_ms(m['back_to_back'])}; "
-            f"after {idle['gap_ms']:.2f} ms asleep {_pair_ms(m['idle'])} "
-            f"({ratio['idle']['head']:.3f}x, {ratio['idle']['tail']:.3f}x), spinning "
-            f"{_pair_ms(m['busy'])} ({ratio['busy']['head']:.3f}x, {ratio['busy']['tail']:.3f}x)",
+            f"after {idle['gap_ms']:.2f} ms {after}",
             flush=True,
         )
         await worker.run(free_memory)
@@ -868,9 +874,12 @@ async def _warm_up(engine: GenerationEngine, prompt: tuple[int, ...]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def node_processes(args, nodes: int, log: list[str]) -> AsyncIterator[tuple[list[str], str]]:
-    """`nodes` oracle node processes on loopback (node i on GPU i % --gpus); yields their
-    addresses and token, and stops them on the way out."""
+async def node_processes(
+    args, nodes: int, log: list[str], spin_ms: float | None = None
+) -> AsyncIterator[tuple[list[str], str]]:
+    """`nodes` oracle node processes on loopback (node i on GPU i % --gpus), their MLX threads
+    awake `spin_ms` after each step (None: the nodes' default); yields their addresses and
+    token, and stops them on the way out."""
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(nodes)]
     procs: list[asyncio.subprocess.Process] = []
@@ -884,6 +893,7 @@ async def node_processes(args, nodes: int, log: list[str]) -> AsyncIterator[tupl
                 *[sys.executable, "-m", "cluster.bench.oracle_node", "--host", "127.0.0.1"],
                 *["--port", str(port), "--token", token, "--accept-rate", str(args.node_alpha)],
                 *["--node-id", f"bench-{i}", "--cache-limit-gb", "2"],
+                *(["--spin-ms", str(spin_ms)] if spin_ms is not None else []),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 cwd=REPO,
@@ -1010,18 +1020,24 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         lm = await worker.run(mlx_lm_load, path)
         await worker.run(mlx_lm_run, *lm, prompt, 16)
         await _warm_up(local, prompt)
-        nodes = (
-            node_processes(args, args.paired_nodes, log)
-            if args.paired_nodes
-            else contextlib.nullcontext(([], ""))
-        )
-        async with nodes as (addresses, token):
-            remote = await open_remote_engine(path, addresses, token=token) if addresses else None
+        # One set of node processes per `--node-spin-ms` value (the first is the one reported
+        # as "the nodes"), all loaded at once and alternated in each round.
+        spins = (args.node_spin_ms or [None]) if args.paired_nodes else []
+        async with contextlib.AsyncExitStack() as node_sets:
+            started = [
+                await node_sets.enter_async_context(
+                    node_processes(args, args.paired_nodes, log, spin)
+                )
+                for spin in spins
+            ]
+            remotes: dict[str, Any] = {}
             try:
-                if remote is not None:
+                for spin, (addresses, token) in zip(spins, started, strict=True):
+                    remote = await open_remote_engine(path, addresses, token=token)
+                    remotes[_spin_name(spin)] = remote
                     await _warm_up(remote.engine, prompt)
                 for i in range(args.rounds):
-                    row = await _paired_round(args, worker, runner, local, remote, prompt, lm)
+                    row = await _paired_round(args, worker, runner, local, remotes, prompt, lm)
                     out["rounds"].append(row)
                     print(
                         f"  round {i + 1}: "
@@ -1029,9 +1045,10 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
                         flush=True,
                     )
             finally:
-                if remote is not None:
+                for remote in remotes.values():
                     await remote.close()
             if args.concurrent > 1:
+                addresses, token = started[0] if started else ([], "")
                 out["concurrent"] = await _paired_concurrency(
                     args, path, addresses, token, local, prompt
                 )
@@ -1086,6 +1103,42 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         }
         for k in range(args.paired_nodes)
     ]
+    if "by_spin" in rounds[0]:  # every node set's own ratio and steps, side by side
+        out["by_spin"] = {
+            name: {
+                "nodes_off_over_one_process": median(
+                    [pair for r in rounds for pair in r["by_spin"][name]["nodes_off_pairs"]]
+                ),
+                "node_step_over_share": [
+                    median(
+                        [
+                            r["by_spin"][name]["node_step_ms"][k]
+                            * args.paired_nodes
+                            / r["local_step_ms"]
+                            for r in rounds
+                        ]
+                    )
+                    for k in range(args.paired_nodes)
+                ],
+            }
+            for name in rounds[0]["by_spin"]
+        }
+
+
+def _spin_name(spin_ms: float | None) -> str:
+    return "default" if spin_ms is None else f"spin {spin_ms:g} ms"
+
+
+async def _node_steps(remote: Any) -> dict[str, list]:
+    """Each node's step phases and step (ms) over its last decode."""
+    infos = [await c.info() for c in remote.pipeline.clients]
+    phases = [step_phases_ms(info) for info in infos]
+    return {
+        "node_phases_ms": phases,
+        "node_step_ms": [
+            sum(p[name] for name in ("handoff", "decode", "layers", "encode")) for p in phases
+        ],
+    }
 
 
 async def _paired_round(
@@ -1093,12 +1146,14 @@ async def _paired_round(
     worker: MLXWorker,
     runner: ShardRunner,
     local: GenerationEngine,
-    remote: Any | None,
+    remotes: dict[str, Any],
     prompt: tuple[int, ...],
     lm: tuple[nn.Module, Any],
 ) -> dict[str, Any]:
     """One decode of each, tokens/s: one process MTP off and on, mlx-lm, the nodes MTP off and
-    on; with the one-process step and each node's step (ms) of the MTP-off runs."""
+    on; with the one-process step and each node's step (ms) of the MTP-off runs. With more
+    than one node set (`remotes`, the first reported as "the nodes"), each set's MTP-off runs
+    too, under "by_spin"."""
     row: dict[str, Any] = {}
     cost = runner.step_cost
     # MTP off without steps built ahead (`ShardRunner.lookahead`): each step's own time,
@@ -1114,28 +1169,32 @@ async def _paired_round(
     row["local_engine_over_steps_no_lookahead"] = off["engine_over_steps"]
     # MTP off in one process and over the nodes, alternated `--off-pairs` times: the goal's
     # own ratio, from runs seconds apart however fast the host happens to be.
-    local_off, nodes_off, over_steps = [], [], []
-    for _ in range(args.off_pairs):
+    # With several node sets, their order turns from one alternation to the next.
+    names = list(remotes)
+    local_off, over_steps = [], []
+    nodes_off: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(args.off_pairs):
         off = await engine_decode(local, prompt, args.tokens, 1, False)
         local_off.append(off["median_tps"])
         over_steps.append(off["engine_over_steps"])
-        if remote is not None:
-            nodes_off.append(
-                (await engine_decode(remote.engine, prompt, args.tokens, 1, False))["median_tps"]
-            )
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            decoded = await engine_decode(remotes[name].engine, prompt, args.tokens, 1, False)
+            nodes_off[name].append(decoded["median_tps"])
     row["local_off"] = median(local_off)
     row["local_engine_over_steps"] = median(over_steps)
-    if remote is not None:
-        row["nodes_off"] = median(nodes_off)
-        row["nodes_off_pairs"] = [n / o for n, o in zip(nodes_off, local_off, strict=True)]
-        # Where each node's decode steps of the last MTP-off run went (`pb.StepPhases`), and
-        # its step: from the MLX thread's handoff to its output encoded.
-        infos = [await c.info() for c in remote.pipeline.clients]
-        row["node_phases_ms"] = [step_phases_ms(info) for info in infos]
-        row["node_step_ms"] = [
-            sum(phases[name] for name in ("handoff", "decode", "layers", "encode"))
-            for phases in row["node_phases_ms"]
-        ]
+    by_spin = {}
+    for name, runs in nodes_off.items():
+        by_spin[name] = {
+            "nodes_off": median(runs),
+            "nodes_off_pairs": [n / o for n, o in zip(runs, local_off, strict=True)],
+            # Where each node's decode steps of the last MTP-off run went (`pb.StepPhases`),
+            # and its step: from the MLX thread's handoff to its output encoded.
+            **await _node_steps(remotes[name]),
+        }
+    if names:
+        row.update(by_spin[names[0]])
+    if len(names) > 1:
+        row["by_spin"] = by_spin
     with _oracle(0.7):
         # MTP on with steps built before the verdict is read and without (`mtp_lookahead`);
         # the backend's default of the two is `local_on`.
@@ -1151,11 +1210,10 @@ async def _paired_round(
         finally:
             runner.mtp_lookahead = default
     row["mlx_lm"] = (await worker.run(mlx_lm_run, *lm, prompt, args.tokens))["tps"]
-    if remote is None:
+    if not names:
         return row
-    row["nodes_on"] = (await engine_decode(remote.engine, prompt, args.tokens, 1, True))[
-        "median_tps"
-    ]
+    nodes = remotes[names[0]].engine
+    row["nodes_on"] = (await engine_decode(nodes, prompt, args.tokens, 1, True))["median_tps"]
     return row
 
 
@@ -1658,6 +1716,13 @@ def summarize(report: dict) -> None:
             for k, phases in enumerate(paired_out["node_phases_ms"]):
                 parts = ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items())
                 lines.append(f"  node {k} step phases, ms: {parts}")
+            for name, spun in paired_out.get("by_spin", {}).items():
+                s["paired"].setdefault("by_spin", {})[name] = spun
+                lines.append(
+                    f"  node set {name}: MTP off / one process "
+                    f"{spun['nodes_off_over_one_process']:.2f}x, node step / its share "
+                    f"{_fmt(spun['node_step_over_share'])}"
+                )
         if c := paired_out.get("concurrent"):
             s["paired"]["concurrent_one_process_over_one_request"] = c[
                 "one_process_over_one_request"
@@ -1752,6 +1817,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=2,
         help="node processes of the side-by-side phase (0: one process and mlx-lm only)",
+    )
+    parser.add_argument(
+        "--node-spin-ms",
+        type=lambda s: [float(v) for v in s.split(",")],
+        default=None,
+        help="side by side, one node set per value of `cluster node --spin-ms`, alternated "
+        "(the first reported as the nodes) [default: one set at the nodes' default]",
     )
     parser.add_argument("--deadline-s", type=float, default=500)
     parser.add_argument("--cache-limit-gb", type=float, default=8)

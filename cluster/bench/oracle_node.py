@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cache-limit-gb", type=float, default=None, help="cap MLX's buffer cache (GiB)"
     )
+    parser.add_argument("--spin-ms", type=float, default=None, help="as `cluster node --spin-ms`")
     args = parser.parse_args(argv)
     if args.cache_limit_gb is not None:
         mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
@@ -80,7 +81,17 @@ def main(argv: list[str] | None = None) -> None:
     from node.server import serve
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.host, args.port, args.token, node_id=args.node_id, advertise=False))
+        spin_s = args.spin_ms / 1e3 if args.spin_ms is not None else None
+        asyncio.run(
+            serve(
+                args.host,
+                args.port,
+                args.token,
+                node_id=args.node_id,
+                advertise=False,
+                spin_s=spin_s,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import numpy as np
 
 from cluster.bench.common import median
 from cluster.config import load_model_config
+from cluster.decode.worker import busy_without_gil
 from cluster.model import shard as model_shard
 from cluster.model.cache import RequestCache
 from cluster.model.layers import Segment
@@ -131,11 +132,18 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _spin_without_gil(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        busy_without_gil()
+
+
 # How the host spends the wait before each half's step in `idle_steps`.
 WAITS: dict[str, Callable[[float], None]] = {
     "back_to_back": lambda seconds: None,
-    "idle": time.sleep,  # as a node's threads wait for their next message
+    "idle": time.sleep,  # as a node's threads waited for their next message (`--spin-ms 0`)
     "busy": _spin,  # this thread kept running (and the device idle) for as long
+    "busy_without_gil": _spin_without_gil,  # as a node's MLX thread waits (`MLXWorker`)
 }
 
 
