@@ -1177,7 +1177,8 @@ async def _paired_round(
         off = await engine_decode(local, prompt, args.tokens, 1, False)
         local_off.append(off["median_tps"])
         over_steps.append(off["engine_over_steps"])
-        for name in names[k % len(names) :] + names[: k % len(names)]:
+        turn = k % max(len(names), 1)
+        for name in names[turn:] + names[:turn]:
             decoded = await engine_decode(remotes[name].engine, prompt, args.tokens, 1, False)
             nodes_off[name].append(decoded["median_tps"])
     row["local_off"] = median(local_off)
