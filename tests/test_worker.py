@@ -4,7 +4,9 @@ one for `spin_s` seconds, then sleeps on its queue."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -45,6 +47,25 @@ def test_the_thread_spins_for_its_window_after_a_job_then_sleeps() -> None:
     assert _cpu_seconds_while_idle(sleeping, 0.6) < 0.02
     spinning.close()
     sleeping.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_at_exit_the_thread_parks_at_once() -> None:
+    """The exit drain leaves the thread blocked on its queue, not spinning: a daemon thread
+    that takes the GIL back during the interpreter's finalization is ended there."""
+    worker = MLXWorker(spin_s=5.0)
+    thread_id = worker.call(threading.get_native_id)
+    worker._drain()
+    stat = Path(f"/proc/self/task/{thread_id}/stat")
+
+    def cpu_ticks() -> int:  # utime + stime, after the command name (which may hold spaces)
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    time.sleep(0.05)
+    before = cpu_ticks()
+    time.sleep(0.5)
+    assert cpu_ticks() - before <= 2  # clock ticks (1/100 s): parked, not 0.5 s of spinning
 
 
 def test_only_a_gpu_spins_by_default_and_a_negative_window_is_refused() -> None:

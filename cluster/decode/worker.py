@@ -96,7 +96,10 @@ class MLXWorker:
         return self.submit(fn, *args, **kwargs).result()
 
     def _drain(self) -> None:
-        """At exit, let the thread finish what it runs (freeing arrays included) and park."""
+        """At exit, let the thread finish what it runs (freeing arrays included) and park.
+        It must not spin then: a daemon thread that takes the GIL back while the interpreter
+        finalizes is ended there, which is the teardown the class docstring avoids."""
+        self.spin_s = 0.0
         with contextlib.suppress(Exception):
             self._closed = False
             self.call(lambda: None)
