@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RUN_TIMEOUT_S = 300
 # The side-by-side phase's checkpoint: the CPU's quantized matmul is slow (its 4-bit run took
 # 146 s, bf16 24 s); the one-process test keeps the 4-bit checkpoint's writing and loading.
@@ -124,3 +126,11 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
     assert set(idle["over_back_to_back"]) == {"idle", "busy", "busy_without_gil"}
     assert all(v > 0 for row in idle["over_back_to_back"].values() for v in row.values())
     assert "two halves against the whole" in stdout and "ms asleep" in stdout
+
+
+def test_a_negative_node_spin_window_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.bench.gpu_bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--node-spin-ms", "0,-5"])
+    assert "--node-spin-ms takes windows >= 0" in capsys.readouterr().err

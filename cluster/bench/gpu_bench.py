@@ -1844,6 +1844,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.off_pairs < 1:
         parser.error("--off-pairs takes a number of alternations >= 1")
+    if args.node_spin_ms and min(args.node_spin_ms) < 0:
+        parser.error("--node-spin-ms takes windows >= 0 (ms)")
     if args.interleave < 0:
         parser.error("--interleave takes a number of rounds >= 0")
     if args.interleave and not all(v[1] for v in VARIANTS if v[0] in args.variants):
