@@ -3,19 +3,23 @@
 The driver (the coordinator, or `cluster generate --nodes`) loads a shard on each node, keeps
 one step stream open to the head and one results stream open from every node, and watches
 each node with a heartbeat. A step is one message to the head; the nodes pass it along among
-themselves; the tail's result comes back on its results stream. A node that dies or falls
-silent fails the requests in flight with an error that names it, within seconds.
+themselves; the tail's result comes back on its results stream. Both streams are the nodes'
+plain TCP ones (`node.step_link`, `node.results_link`) where a node serves them (no TLS), gRPC
+otherwise. A node that dies or falls silent fails the requests in flight with an error that
+names it, within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -25,10 +29,15 @@ from cluster.local import even_ranges, shard_specs
 from cluster.messages import RequestError, StepRequest, StepResult
 from cluster.wire import results_from_proto, step_batch_to_proto
 from node.auth import TLSConfig, open_channel, token_metadata
+from node.hop import split_host_port
+from node.results_link import ResultsLink
+from node.step_link import StepLinkError, StepSender
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+Link = TypeVar("Link")
 
 RPC_TIMEOUT_S = 5.0
 LOAD_TIMEOUT_S = 900.0
@@ -54,6 +63,8 @@ class NodeClient:
 
     def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
         self.address = address
+        self.token = token
+        self.tls = tls
         self.metadata = token_metadata(token)
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.NodeStub(self.channel)
@@ -109,7 +120,11 @@ class NodeClient:
 
 
 class RemotePipeline:
-    """`cluster.decode.pipeline.Pipeline` over node daemons (head first, tail last)."""
+    """`cluster.decode.pipeline.Pipeline` over node daemons (head first, tail last).
+
+    `step_ports`: each node's TCP step port (`NodeInfo.step_port`, 0 where it serves none);
+    the steps to the head and each node's results take them, and gRPC where a node has none,
+    where the driver speaks TLS, or where a port does not answer."""
 
     def __init__(
         self,
@@ -120,8 +135,10 @@ class RemotePipeline:
         heartbeat_timeout_s: float = 2.0,
         epoch: int = 0,
         micro_batches: int = 1,
+        step_ports: list[int] | None = None,
     ):
         self.clients = clients
+        self.step_ports = step_ports or [0] * len(clients)
         self.epoch = epoch  # LoadShardRequest.epoch of its shards; other epochs are ignored
         self.micro_batches = micro_batches  # the head's (LoadShardRequest.micro_batches)
         self._max_context = max_context
@@ -131,6 +148,8 @@ class RemotePipeline:
         self._sequence = itertools.count()
         self._outbox: asyncio.Queue[StepRequest] = asyncio.Queue()
         self._head_call: grpc.aio.StreamStreamCall | None = None
+        self._head_link: StepSender | None = None
+        self._results_links: list[ResultsLink | None] = []  # each node's; None: over gRPC
         self._tasks: list[asyncio.Task] = []
         self._releases: set[asyncio.Task] = set()
         self.failure: NodeUnavailable | None = None
@@ -142,18 +161,39 @@ class RemotePipeline:
     def max_context(self) -> int:
         return self._max_context
 
+    @property
+    def transports(self) -> dict[str, object]:
+        """The streams in use: "tcp" or "grpc" for the steps and for each node's results."""
+        return {
+            "steps": "tcp" if self._head_link is not None else "grpc",
+            "results": ["tcp" if link else "grpc" for link in self._results_links],
+        }
+
     async def start(self) -> None:
         head = self.clients[0]
-        self._head_call = head.stub.Steps(metadata=head.metadata)
-        calls = [c.stub.Results(pb.ResultsRequest(), metadata=c.metadata) for c in self.clients]
-        for client, call in zip(self.clients, calls, strict=True):
-            self._tasks.append(asyncio.create_task(self._listen(client, call)))
-            self._tasks.append(asyncio.create_task(self._heartbeat(client)))
-        self._tasks.append(asyncio.create_task(self._write_steps()))
-        self._tasks.append(asyncio.create_task(self._watch_steps()))
-        # A node answers Results once its subscription is in place; until then a result that
-        # the tail publishes would be lost (and its request would wait forever).
+        self._head_link = await self._open_link(head, self.step_ports[0], StepSender.open)
+        if self._head_link is None:
+            self._head_call = head.stub.Steps(metadata=head.metadata)
+        calls = []
         try:
+            for client, port in zip(self.clients, self.step_ports, strict=True):
+                opener = functools.partial(
+                    ResultsLink.open,
+                    on_batch=functools.partial(self._on_results, client),
+                    on_closed=functools.partial(self._results_closed, client),
+                )
+                link = await self._open_link(client, port, opener)
+                self._results_links.append(link)
+                if link is None:
+                    call = client.stub.Results(pb.ResultsRequest(), metadata=client.metadata)
+                    calls.append(call)
+                    self._tasks.append(asyncio.create_task(self._listen(client, call)))
+                self._tasks.append(asyncio.create_task(self._heartbeat(client)))
+            self._tasks.append(asyncio.create_task(self._write_steps()))
+            self._tasks.append(asyncio.create_task(self._watch_steps()))
+            # A node answers Results once its subscription is in place; until then a result
+            # that the tail publishes would be lost (and its request would wait forever). A
+            # results link is subscribed once open.
             await asyncio.wait_for(
                 asyncio.gather(*(call.wait_for_connection() for call in calls)), RPC_TIMEOUT_S
             )
@@ -161,12 +201,31 @@ class RemotePipeline:
             await self.close()
             raise
 
+    @staticmethod
+    async def _open_link(
+        client: NodeClient, port: int, open_link: Callable[[str, int, str], Awaitable[Link]]
+    ) -> Link | None:
+        """`open_link(host, port, token)` to the node's TCP port, or None for gRPC."""
+        if not port or client.tls is not None:
+            return None
+        host, _ = split_host_port(client.address)
+        try:
+            return await open_link(host, port, client.token)
+        except StepLinkError as error:  # a firewall, say: gRPC still works
+            log.warning("%s; using gRPC for %s", error, client.describe())
+            return None
+
     async def close(self) -> None:
         tasks = [*self._tasks, *self._releases]
         for task in tasks:
             task.cancel()
         if self._head_call is not None:
             self._head_call.cancel()
+        for link in self._results_links:
+            if link is not None:
+                link.close()
+        if self._head_link is not None:
+            await self._head_link.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         for client in self.clients:
             await client.close()
@@ -243,9 +302,18 @@ class RemotePipeline:
                     steps.append(self._outbox.get_nowait())
                 for group in self._groups(steps):
                     message = step_batch_to_proto(group, None, next(self._sequence), self.epoch)
-                    await self._head_call.write(message)
+                    if self._head_link is not None:
+                        await self._head_link.send(message.SerializeToString())
+                    else:
+                        await self._head_call.write(message)
                     self.messages_sent += 1
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
+        except (
+            grpc.aio.AioRpcError,
+            grpc.aio.UsageError,
+            asyncio.InvalidStateError,
+            StepLinkError,
+            OSError,
+        ) as error:
             self._fail_all(
                 NodeUnavailable(f"node {self.clients[0].describe()} is unreachable: {error}")
             )
@@ -271,6 +339,11 @@ class RemotePipeline:
     async def _watch_steps(self) -> None:
         """The head answers on the step stream only about messages it could not read; the
         stream ending means the head is gone."""
+        if self._head_link is not None:  # a TCP step stream has no answers, only its end
+            await self._head_link.ended()
+            head = self.clients[0].describe()
+            self.fail(NodeUnavailable(f"node {head} closed the step stream"))
+            return
         try:
             async for event in self._head_call:
                 log.warning("head rejected step message %d", event.sequence)
@@ -284,23 +357,29 @@ class RemotePipeline:
     async def _listen(self, client: NodeClient, call: grpc.aio.UnaryStreamCall) -> None:
         try:
             async for batch in call:
-                if batch.epoch != self.epoch:
-                    continue  # a late answer about another placement's steps
-                results, errors = results_from_proto(batch)
-                if batch.prefix_dropped and self.on_prefix_dropped is not None:
-                    self.on_prefix_dropped(list(batch.prefix_dropped))
-                for result in results:
-                    self._resolve(result.request_id, result=result)
-                for request_id, code, message in errors:
-                    error = NodeRequestError(f"node {client.describe()}: {message}", code)
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        error = NodeUnavailable(message)
-                    self._resolve(request_id, error=error)
+                self._on_results(client, batch)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
                 self._fail_all(
                     NodeUnavailable(f"node {client.describe()} is unreachable: {error.details()}")
                 )
+
+    def _on_results(self, client: NodeClient, batch: pb.ResultBatch) -> None:
+        if batch.epoch != self.epoch:
+            return  # a late answer about another placement's steps
+        results, errors = results_from_proto(batch)
+        if batch.prefix_dropped and self.on_prefix_dropped is not None:
+            self.on_prefix_dropped(list(batch.prefix_dropped))
+        for result in results:
+            self._resolve(result.request_id, result=result)
+        for request_id, code, message in errors:
+            error = NodeRequestError(f"node {client.describe()}: {message}", code)
+            if code == grpc.StatusCode.UNAVAILABLE:
+                error = NodeUnavailable(message)
+            self._resolve(request_id, error=error)
+
+    def _results_closed(self, client: NodeClient, why: str) -> None:
+        self.fail(NodeUnavailable(f"node {client.describe()} {why}"))
 
     async def _heartbeat(self, client: NodeClient) -> None:
         while True:
@@ -389,8 +468,10 @@ async def load_pipeline(
     adopt: bool = False,
     epoch: int = 0,
     micro_batches: int | None = None,
+    links: bool = True,
 ) -> RemotePipeline:
-    """Load the shards (evenly split unless `ranges`) and open the streams.
+    """Load the shards (evenly split unless `ranges`) and open the streams: the nodes' TCP
+    ones where they serve them, unless not `links` (gRPC's, as under TLS).
 
     The head runs the live requests in `micro_batches` groups (default: one per node) that
     follow one another through the nodes; 1: one batch of all that is queued.
@@ -454,7 +535,11 @@ async def load_pipeline(
             await client.close()
         raise
     pipeline = RemotePipeline(
-        clients, max_context=config.max_context, epoch=epoch, micro_batches=groups
+        clients,
+        max_context=config.max_context,
+        epoch=epoch,
+        micro_batches=groups,
+        step_ports=[info.step_port for info in infos] if links else None,
     )
     await pipeline.start()
     return pipeline
@@ -469,6 +554,8 @@ async def open_remote_engine(
     prefill_chunk: int = 512,
     tls: TLSConfig | None = None,
     micro_batches: int | None = None,
+    links: bool = True,
+    adopt: bool = False,
 ) -> RemoteEngine:
     pipeline = await load_pipeline(
         model_dir,
@@ -477,5 +564,7 @@ async def open_remote_engine(
         ranges=ranges,
         tls=tls,
         micro_batches=micro_batches,
+        links=links,
+        adopt=adopt,
     )
     return RemoteEngine(GenerationEngine(pipeline, prefill_chunk=prefill_chunk), pipeline)

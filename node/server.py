@@ -412,7 +412,9 @@ async def serve(
     await server.start()
     step_listener = None
     if tls is None:  # under TLS every step stays on the encrypted gRPC stream
-        step_listener = StepListener(token, service.accept_linked_step)
+        step_listener = StepListener(
+            token, service.accept_linked_step, service.subscribers.add_link
+        )
         service.step_port = await step_listener.start(host)
     advertiser = None
     if advertise:

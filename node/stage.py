@@ -11,6 +11,7 @@ requests of the batch carry on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -56,10 +57,14 @@ def status_of(error: Exception) -> grpc.StatusCode:
 
 
 class Subscribers:
-    """The drivers listening to this node's results and errors."""
+    """The drivers listening to this node's results and errors: over gRPC (a queue that the
+    Results stream drains) or over a TCP results stream (`node.step_link`), written to as each
+    batch is published."""
 
     def __init__(self) -> None:
         self._queues: set[asyncio.Queue[pb.ResultBatch]] = set()
+        self._links: dict[int, Callable[[bytes], None]] = {}
+        self._link_ids = itertools.count()
 
     def add(self) -> asyncio.Queue[pb.ResultBatch]:
         queue: asyncio.Queue[pb.ResultBatch] = asyncio.Queue()
@@ -69,9 +74,19 @@ class Subscribers:
     def remove(self, queue: asyncio.Queue[pb.ResultBatch]) -> None:
         self._queues.discard(queue)
 
+    def add_link(self, write: Callable[[bytes], None]) -> Callable[[], None]:
+        """Subscribe a results stream's writer of serialized batches; returns its removal."""
+        key = next(self._link_ids)
+        self._links[key] = write
+        return lambda: self._links.pop(key, None)
+
     def publish(self, batch: pb.ResultBatch) -> None:
         for queue in self._queues:
             queue.put_nowait(batch)
+        if self._links:
+            payload = batch.SerializeToString()
+            for write in list(self._links.values()):
+                write(payload)
 
     def fail(
         self, request_ids: list[str], code: grpc.StatusCode, message: str, epoch: int = 0

@@ -1,4 +1,5 @@
-"""The step stream from a node to its successor over plain TCP, beside gRPC.
+"""The step stream from a node to its successor over plain TCP, beside gRPC; and on the same
+port, a driver's results stream from a node.
 
 A decode step crosses every hop, so a hop's cost is paid once per node per token. Over a
 grpc.aio stream a hop took 1.8x a bare grpc.aio echo (BENCHMARKS.md, "Hop, the measured
@@ -15,7 +16,15 @@ The stream is one-way, as the gRPC one is used:
     sender:   per step: u32 length, a serialized StepBatch
 
 A malformed frame closes the stream (the sender sees it broken and opens a new one); results
-and errors reach the coordinator over its Results stream, as always.
+and errors reach the driver over its results stream.
+
+The driver's legs take the same port where it can: its steps to the head as a step stream, and
+each node's results back as a results stream (`node.results_link`), the gRPC Results stream's
+twin, which answers its hello once the subscription is in place:
+
+    driver:   RESULTS_MAGIC, u32 token length, token (once)
+    listener: ACCEPTED                               (once, subscribed: nothing later is lost)
+    listener: per result batch: u32 length, a serialized ResultBatch
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from proto import cluster_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAGIC = b"CSL1"
+RESULTS_MAGIC = b"CSR1"
 FRAME = struct.Struct("<I")
 MAX_TOKEN_BYTES = 4096
 MAX_FRAME_BYTES = 1 << 30  # a prefill chunk's hidden states, with room to spare
@@ -52,14 +62,25 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+# A results subscription: given the stream's writer of serialized ResultBatch messages, it
+# registers it and returns what unregisters it (`node.stage.Subscribers.add_link`).
+Subscribe = Callable[[Callable[[bytes], None]], Callable[[], None]]
+
+
 class StepListener:
     """Accepts step streams from predecessors and hands each message to `accept`, in the
     event loop's own callback as its bytes arrive (no task per stream: a step reaches the
-    stage without a task switch)."""
+    stage without a task switch). With `subscribe`, it also serves results streams."""
 
-    def __init__(self, token: str, accept: Callable[[pb.StepBatch], None]):
+    def __init__(
+        self,
+        token: str,
+        accept: Callable[[pb.StepBatch], None],
+        subscribe: Subscribe | None = None,
+    ):
         self.token = token.encode()
         self.accept = accept
+        self.subscribe = subscribe
         self._server: asyncio.Server | None = None
         self.streams: set[_StepStream] = set()
         self.port = 0
@@ -80,7 +101,8 @@ class StepListener:
 
 
 class _StepStream(asyncio.Protocol):
-    """One predecessor's stream: the hello, then length-prefixed steps."""
+    """One predecessor's stream: the hello, then length-prefixed steps; or a driver's results
+    stream: the hello, then length-prefixed results the other way."""
 
     def __init__(self, listener: StepListener):
         self._listener = listener
@@ -88,6 +110,7 @@ class _StepStream(asyncio.Protocol):
         self._greeted = False
         self._transport: asyncio.Transport | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
+        self._unsubscribe: Callable[[], None] | None = None  # a results stream's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -103,12 +126,18 @@ class _StepStream(asyncio.Protocol):
         self._listener.streams.discard(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._unsubscribe is not None:
+            self._refuse("data on a results stream")  # a driver only ever reads from it
+            return
         self._buffer += data
         if not self._greeted and not self._hello():
             return
@@ -119,7 +148,9 @@ class _StepStream(asyncio.Protocol):
         if len(self._buffer) < head:
             return False
         (size,) = FRAME.unpack_from(self._buffer, len(MAGIC))
-        if self._buffer[: len(MAGIC)] != MAGIC or size > MAX_TOKEN_BYTES:
+        magic = bytes(self._buffer[: len(MAGIC)])
+        results = magic == RESULTS_MAGIC and self._listener.subscribe is not None
+        if (magic != MAGIC and not results) or size > MAX_TOKEN_BYTES:
             self._refuse("bad hello")
             return False
         if len(self._buffer) < head + size:
@@ -130,8 +161,18 @@ class _StepStream(asyncio.Protocol):
         del self._buffer[: head + size]
         self._greeted = True
         self._hello_timer.cancel()
+        if results:
+            if self._buffer:
+                self._refuse("data on a results stream")
+                return False
+            self._unsubscribe = self._listener.subscribe(self._write_results)
         self._transport.write(ACCEPTED)
-        return True
+        return not results
+
+    def _write_results(self, payload: bytes) -> None:
+        """One serialized ResultBatch to the driver (buffered by the transport, as the gRPC
+        stream's queue buffers for a slow reader)."""
+        self._transport.write(FRAME.pack(len(payload)) + payload)
 
     def _steps(self) -> None:
         while len(self._buffer) >= FRAME.size:
@@ -200,6 +241,10 @@ class StepSender:
     @property
     def broken(self) -> bool:
         return self._closed.done() or self._writer.is_closing()
+
+    async def ended(self) -> None:
+        """Wait until the successor ends the stream (it stopped, or refused a frame)."""
+        await asyncio.wait([self._closed])
 
     async def send(self, payload: bytes) -> None:
         """Queue one serialized StepBatch and wait while the socket's buffer is full."""

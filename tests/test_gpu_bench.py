@@ -49,23 +49,25 @@ def test_tiny_one_process_phase_reports_its_figures(tmp_path: Path) -> None:
 
 
 def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
-    """The paired phase: one process, mlx-lm and two sets of 2 node processes loaded at once,
-    one round (MTP off alternated twice), then concurrent requests in one process (MTP steps built
+    """The paired phase: one process, mlx-lm and two sets of 2 node processes loaded at once
+    (their MLX threads awake 5 ms; one driven over the nodes' TCP streams, one over gRPC), one
+    round (MTP off alternated twice), then concurrent requests in one process (MTP steps built
     before their verdicts and waiting, in turn) and over the nodes micro-batched and in one
     batch."""
     stdout, report = _tiny_run(
         tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1", "--off-pairs", "2",
-        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", "--node-spin-ms", "0,5",
-        *BF16,
+        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", "--node-spin-ms", "5",
+        "--driver-streams", "tcp,grpc", *BF16,
     )  # fmt: skip
     paired = report["paired"]
-    # Two node sets, their MLX threads asleep between steps and awake 5 ms: each its ratio.
+    # Two node sets, each its ratio.
     row = paired["rounds"][0]
-    assert set(row["by_spin"]) == {"spin 0 ms", "spin 5 ms"}
-    assert row["nodes_off_pairs"] == row["by_spin"]["spin 0 ms"]["nodes_off_pairs"]
-    for spun in paired["by_spin"].values():
+    tcp, grpc = "spin 5 ms, driver over tcp", "spin 5 ms, driver over grpc"
+    assert set(row["by_set"]) == {tcp, grpc}
+    assert row["nodes_off_pairs"] == row["by_set"][tcp]["nodes_off_pairs"]
+    for spun in paired["by_set"].values():
         assert spun["nodes_off_over_one_process"] > 0 and len(spun["node_step_over_share"]) == 2
-    assert "node set spin 5 ms: MTP off / one process" in stdout
+    assert f"node set {grpc}: MTP off / one process" in stdout
     assert len(paired["rounds"]) == 1 and len(paired["node_step_over_share"]) == 2
     assert all(value > 0 for value in paired["ratios"].values())
     assert len(paired["rounds"][0]["nodes_off_pairs"]) == 2
@@ -128,9 +130,18 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
     assert "two halves against the whole" in stdout and "ms asleep" in stdout
 
 
-def test_a_negative_node_spin_window_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--node-spin-ms", "0,-5"], "--node-spin-ms takes windows >= 0"),
+        (["--driver-streams", "tcp,udp"], "--driver-streams takes tcp and grpc, not ['udp']"),
+    ],
+)
+def test_bad_node_set_settings_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from cluster.bench.gpu_bench import parse_args
 
     with pytest.raises(SystemExit):
-        parse_args(["--node-spin-ms", "0,-5"])
-    assert "--node-spin-ms takes windows >= 0" in capsys.readouterr().err
+        parse_args(argv)
+    assert message in capsys.readouterr().err

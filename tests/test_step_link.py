@@ -1,15 +1,20 @@
-"""The step stream between nodes over plain TCP (`node.step_link`).
+"""The step stream between nodes over plain TCP (`node.step_link`), and a driver's results
+stream on the same port (`node.results_link`).
 
-In one process: steps arrive whole and in order; a wrong token, a malformed step and an
-oversized frame each end the stream, and the sender then sees it broken (a clear error, never a
-step lost in silence). Against real node processes: a node advertises its step port and its
-predecessor's `Downstream` takes it, or gRPC where it cannot connect (the pipeline tests run
-over it; `test_tls` checks that a TLS node offers none).
+In one process: steps and results arrive whole and in order; a wrong token, a malformed
+message and an oversized frame each end the stream, and the other end then sees it ended (a
+clear error, never a message lost in silence). Against real node processes: a node advertises
+its step port and its predecessor's `Downstream` takes it, or gRPC where it cannot connect; a
+driver takes it for its steps and results, with the same tokens as over gRPC, and a node that
+dies fails its requests with its name (the pipeline tests run over it; `test_tls` checks that a
+TLS node offers none).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import grpc
 import mlx.core as mx
@@ -18,10 +23,12 @@ import pytest
 from conftest import run
 
 from cluster import wire
-from cluster.messages import StepRequest
-from node.client import NodeClient
-from node.stage import Downstream
-from node.step_link import FRAME, StepLinkError, StepListener, StepSender
+from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.messages import RequestOptions, StepRequest, StepResult
+from node.client import NodeClient, NodeUnavailable, load_pipeline
+from node.results_link import ResultsLink
+from node.stage import Downstream, Subscribers
+from node.step_link import ACCEPTED, FRAME, StepLinkError, StepListener, StepSender
 from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory
@@ -146,5 +153,176 @@ def test_a_predecessor_that_cannot_reach_the_step_port_streams_over_grpc(solo, m
             assert downstream.transport == "grpc"
         finally:
             await downstream.close()
+
+    run(go())
+
+
+# ---- a driver's results stream --------------------------------------------------------------
+
+
+def _results(sequence: int) -> pb.ResultBatch:
+    result = StepResult(f"r{sequence}", (sequence, sequence + 1), keep=2)
+    errors = [(f"e{sequence}", grpc.StatusCode.NOT_FOUND, "unknown")] if sequence % 7 == 0 else []
+    return wire.results_to_proto([result], errors, epoch=3)
+
+
+class _Ends:
+    """A results link's `on_closed`: why the stream ended, once."""
+
+    def __init__(self) -> None:
+        self.whys: list[str] = []
+
+    def __call__(self, why: str) -> None:
+        self.whys.append(why)
+
+
+def test_results_arrive_whole_and_in_order_until_the_driver_closes() -> None:
+    async def go() -> None:
+        subscribers = Subscribers()
+        listener = StepListener(TOKEN, lambda message: None, subscribers.add_link)
+        await listener.start("127.0.0.1")
+        received: list[pb.ResultBatch] = []
+        ends = _Ends()
+        link = await ResultsLink.open("127.0.0.1", listener.port, TOKEN, received.append, ends)
+        sent = [_results(i) for i in range(300)]
+        for batch in sent:  # subscribed once open: nothing published from here on is lost
+            subscribers.publish(batch)
+        await _until(lambda: len(received) == len(sent))
+        assert received == sent
+        link.close()
+        await _until(lambda: not subscribers._links)  # the node drops the subscription
+        subscribers.publish(_results(1))
+        await listener.close()
+        assert ends.whys == []  # a close of our own is no news
+
+    run(go())
+
+
+def test_a_results_stream_needs_the_token_and_a_listener_that_serves_results() -> None:
+    async def go() -> None:
+        subscribers = Subscribers()
+        serving = StepListener(TOKEN, lambda message: None, subscribers.add_link)
+        steps_only = StepListener(TOKEN, lambda message: None)
+        for listener in (serving, steps_only):
+            await listener.start("127.0.0.1")
+        with pytest.raises(StepLinkError, match="refused the results stream"):
+            await ResultsLink.open("127.0.0.1", serving.port, "nope", print, print)
+        with pytest.raises(StepLinkError, match="refused the results stream"):
+            await ResultsLink.open("127.0.0.1", steps_only.port, TOKEN, print, print)
+        with pytest.raises(StepLinkError, match="no results stream"):
+            await ResultsLink.open("127.0.0.1", 1, TOKEN, print, print)  # nobody listens
+        assert not subscribers._links
+        for listener in (serving, steps_only):
+            await listener.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [
+        (FRAME.pack(3) + b"\xff\xff\xff", "a malformed result batch"),
+        (FRAME.pack(2**31), "2147483648-byte frame"),
+        (b"", "closed the results stream"),
+    ],
+)
+def test_a_bad_results_frame_or_a_lost_node_ends_the_stream_and_says_so(
+    frame: bytes, why: str
+) -> None:
+    async def go() -> None:
+        async def node_side(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(4 + 4 + len(TOKEN))  # the hello
+            good = _results(1).SerializeToString()
+            writer.write(ACCEPTED + FRAME.pack(len(good)) + good + frame)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(node_side, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        received: list[pb.ResultBatch] = []
+        ends = _Ends()
+        await ResultsLink.open("127.0.0.1", port, TOKEN, received.append, ends)
+        await _until(lambda: ends.whys)
+        await asyncio.sleep(0.05)
+        assert received == [_results(1)]
+        assert len(ends.whys) == 1 and why in ends.whys[0]
+        server.close()
+        await server.wait_closed()
+
+    run(go())
+
+
+def test_the_node_ends_a_results_stream_that_sends_it_anything() -> None:
+    async def go() -> None:
+        subscribers = Subscribers()
+        listener = StepListener(TOKEN, lambda message: None, subscribers.add_link)
+        await listener.start("127.0.0.1")
+        ends = _Ends()
+        link = await ResultsLink.open("127.0.0.1", listener.port, TOKEN, print, ends)
+        link._transport.write(b"x")  # what no driver of this module writes
+        await _until(lambda: ends.whys)
+        assert "closed the results stream" in ends.whys[0]
+        await _until(lambda: not subscribers._links)
+        await listener.close()
+
+    run(go())
+
+
+def _generate_all(engine: GenerationEngine, prompts: list[tuple[int, ...]]):
+    requests = [GenerationRequest(p, 12, RequestOptions(mtp=True)) for p in prompts]
+    return asyncio.gather(*(engine.generate(r) for r in requests))
+
+
+def test_a_driver_streams_steps_and_results_over_tcp_with_the_grpc_tokens(
+    solo, model_dir: Path, tokenizer
+) -> None:
+    prompts = [tuple(tokenizer.encode(text)) for text in ("def add(a, b):", "import os\nimport")]
+
+    async def go() -> None:
+        tokens = {}
+        for links in (True, False):
+            pipeline = await load_pipeline(model_dir, solo.addresses, token=solo.token, links=links)
+            try:
+                expected = "tcp" if links else "grpc"
+                assert pipeline.transports == {"steps": expected, "results": [expected]}
+                outputs = await _generate_all(GenerationEngine(pipeline), prompts)
+                tokens[links] = [output.tokens for output in outputs]
+            finally:
+                await pipeline.close()
+        assert tokens[True] == tokens[False] and all(len(t) == 12 for t in tokens[True])
+
+    run(go())
+
+
+def test_a_node_that_dies_under_tcp_streams_fails_its_requests_with_its_name(
+    node_factory, model_dir: Path, tokenizer
+) -> None:
+    victim = node_factory(1)[0]
+    prompt = tuple(tokenizer.encode("def add(a, b):"))
+
+    async def go() -> None:
+        pipeline = await load_pipeline(model_dir, [victim.address], token=nodes.TOKEN)
+        try:
+            assert pipeline.transports == {"steps": "tcp", "results": ["tcp"]}
+            engine = GenerationEngine(pipeline)
+            chunks: list = []
+            killed_at = 0.0
+
+            def on_chunk(chunk) -> None:
+                nonlocal killed_at
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    killed_at = time.monotonic()
+                    victim.kill()
+
+            request = GenerationRequest(prompt, 4000, RequestOptions(mtp=True))
+            with pytest.raises(NodeUnavailable) as caught:
+                await asyncio.wait_for(engine.generate(request, on_chunk), 30)
+            assert time.monotonic() - killed_at < 5.0
+            assert victim.address in str(caught.value)
+            with pytest.raises(NodeUnavailable):  # and so does every later submission
+                await engine.generate(GenerationRequest(prompt, 4, RequestOptions()))
+        finally:
+            await pipeline.close()
 
     run(go())

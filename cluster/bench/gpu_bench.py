@@ -1020,21 +1020,25 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         lm = await worker.run(mlx_lm_load, path)
         await worker.run(mlx_lm_run, *lm, prompt, 16)
         await _warm_up(local, prompt)
-        # One set of node processes per `--node-spin-ms` value (the first is the one reported
-        # as "the nodes"), all loaded at once and alternated in each round.
+        # One set of node processes per `--node-spin-ms` value and `--driver-streams` kind (the
+        # first is the one reported as "the nodes"), all loaded at once and alternated in each
+        # round.
         spins = (args.node_spin_ms or [None]) if args.paired_nodes else []
+        settings = [(spin, streams) for spin in spins for streams in args.driver_streams]
         async with contextlib.AsyncExitStack() as node_sets:
             started = [
                 await node_sets.enter_async_context(
                     node_processes(args, args.paired_nodes, log, spin)
                 )
-                for spin in spins
+                for spin, _ in settings
             ]
             remotes: dict[str, Any] = {}
             try:
-                for spin, (addresses, token) in zip(spins, started, strict=True):
-                    remote = await open_remote_engine(path, addresses, token=token)
-                    remotes[_spin_name(spin)] = remote
+                for (spin, streams), (addresses, token) in zip(settings, started, strict=True):
+                    remote = await open_remote_engine(
+                        path, addresses, token=token, links=streams == "tcp"
+                    )
+                    remotes[_set_name(spin, streams, args.driver_streams)] = remote
                     await _warm_up(remote.engine, prompt)
                 for i in range(args.rounds):
                     row = await _paired_round(args, worker, runner, local, remotes, prompt, lm)
@@ -1103,16 +1107,16 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         }
         for k in range(args.paired_nodes)
     ]
-    if "by_spin" in rounds[0]:  # every node set's own ratio and steps, side by side
-        out["by_spin"] = {
+    if "by_set" in rounds[0]:  # every node set's own ratio and steps, side by side
+        out["by_set"] = {
             name: {
                 "nodes_off_over_one_process": median(
-                    [pair for r in rounds for pair in r["by_spin"][name]["nodes_off_pairs"]]
+                    [pair for r in rounds for pair in r["by_set"][name]["nodes_off_pairs"]]
                 ),
                 "node_step_over_share": [
                     median(
                         [
-                            r["by_spin"][name]["node_step_ms"][k]
+                            r["by_set"][name]["node_step_ms"][k]
                             * args.paired_nodes
                             / r["local_step_ms"]
                             for r in rounds
@@ -1121,12 +1125,14 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
                     for k in range(args.paired_nodes)
                 ],
             }
-            for name in rounds[0]["by_spin"]
+            for name in rounds[0]["by_set"]
         }
 
 
-def _spin_name(spin_ms: float | None) -> str:
-    return "default" if spin_ms is None else f"spin {spin_ms:g} ms"
+def _set_name(spin_ms: float | None, streams: str, kinds: list[str]) -> str:
+    """A node set's name: its `--spin-ms`, and its driver's streams where they vary."""
+    name = "default" if spin_ms is None else f"spin {spin_ms:g} ms"
+    return name if len(kinds) == 1 else f"{name}, driver over {streams}"
 
 
 async def _node_steps(remote: Any) -> dict[str, list]:
@@ -1153,7 +1159,7 @@ async def _paired_round(
     """One decode of each, tokens/s: one process MTP off and on, mlx-lm, the nodes MTP off and
     on; with the one-process step and each node's step (ms) of the MTP-off runs. With more
     than one node set (`remotes`, the first reported as "the nodes"), each set's MTP-off runs
-    too, under "by_spin"."""
+    too, under "by_set"."""
     row: dict[str, Any] = {}
     cost = runner.step_cost
     # MTP off without steps built ahead (`ShardRunner.lookahead`): each step's own time,
@@ -1183,9 +1189,9 @@ async def _paired_round(
             nodes_off[name].append(decoded["median_tps"])
     row["local_off"] = median(local_off)
     row["local_engine_over_steps"] = median(over_steps)
-    by_spin = {}
+    by_set = {}
     for name, runs in nodes_off.items():
-        by_spin[name] = {
+        by_set[name] = {
             "nodes_off": median(runs),
             "nodes_off_pairs": [n / o for n, o in zip(runs, local_off, strict=True)],
             # Where each node's decode steps of the last MTP-off run went (`pb.StepPhases`),
@@ -1193,9 +1199,9 @@ async def _paired_round(
             **await _node_steps(remotes[name]),
         }
     if names:
-        row.update(by_spin[names[0]])
+        row.update(by_set[names[0]])
     if len(names) > 1:
-        row["by_spin"] = by_spin
+        row["by_set"] = by_set
     with _oracle(0.7):
         # MTP on with steps built before the verdict is read and without (`mtp_lookahead`);
         # the backend's default of the two is `local_on`.
@@ -1717,8 +1723,8 @@ def summarize(report: dict) -> None:
             for k, phases in enumerate(paired_out["node_phases_ms"]):
                 parts = ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items())
                 lines.append(f"  node {k} step phases, ms: {parts}")
-            for name, spun in paired_out.get("by_spin", {}).items():
-                s["paired"].setdefault("by_spin", {})[name] = spun
+            for name, spun in paired_out.get("by_set", {}).items():
+                s["paired"].setdefault("by_set", {})[name] = spun
                 lines.append(
                     f"  node set {name}: MTP off / one process "
                     f"{spun['nodes_off_over_one_process']:.2f}x, node step / its share "
@@ -1826,6 +1832,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="side by side, one node set per value of `cluster node --spin-ms`, alternated "
         "(the first reported as the nodes) [default: one set at the nodes' default]",
     )
+    parser.add_argument(
+        "--driver-streams",
+        type=lambda s: s.split(","),
+        default=["tcp"],
+        help="side by side, one node set per kind of the driver's streams to the nodes, "
+        "alternated: tcp (the nodes' TCP step port, the default) or grpc [default: tcp]",
+    )
     parser.add_argument("--deadline-s", type=float, default=500)
     parser.add_argument("--cache-limit-gb", type=float, default=8)
     parser.add_argument(
@@ -1846,6 +1859,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--off-pairs takes a number of alternations >= 1")
     if args.node_spin_ms and min(args.node_spin_ms) < 0:
         parser.error("--node-spin-ms takes windows >= 0 (ms)")
+    if unknown := set(args.driver_streams) - {"tcp", "grpc"}:
+        parser.error(f"--driver-streams takes tcp and grpc, not {sorted(unknown)}")
     if args.interleave < 0:
         parser.error("--interleave takes a number of rounds >= 0")
     if args.interleave and not all(v[1] for v in VARIANTS if v[0] in args.variants):
