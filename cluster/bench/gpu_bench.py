@@ -1025,32 +1025,36 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         # round.
         spins = (args.node_spin_ms or [None]) if args.paired_nodes else []
         settings = [(spin, streams) for spin in spins for streams in args.driver_streams]
-        async with contextlib.AsyncExitStack() as node_sets:
-            started = [
-                await node_sets.enter_async_context(
-                    node_processes(args, args.paired_nodes, log, spin)
-                )
-                for spin, _ in settings
-            ]
-            remotes: dict[str, Any] = {}
-            try:
-                for (spin, streams), (addresses, token) in zip(settings, started, strict=True):
-                    remote = await open_remote_engine(
-                        path, addresses, token=token, links=streams == "tcp"
+        # The first set stays for the concurrent requests; the others are stopped before them,
+        # since every set's shards take GPU memory (two sets, the one process and mlx-lm ran a
+        # 27B 4-bit GPU out of memory there).
+        async with contextlib.AsyncExitStack() as first_set:
+            async with contextlib.AsyncExitStack() as other_sets:
+                started = [
+                    await (first_set if k == 0 else other_sets).enter_async_context(
+                        node_processes(args, args.paired_nodes, log, spin)
                     )
-                    remotes[_set_name(spin, streams, args.driver_streams)] = remote
-                    await _warm_up(remote.engine, prompt)
-                for i in range(args.rounds):
-                    row = await _paired_round(args, worker, runner, local, remotes, prompt, lm)
-                    out["rounds"].append(row)
-                    print(
-                        f"  round {i + 1}: "
-                        + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if _is_number(v)),
-                        flush=True,
-                    )
-            finally:
-                for remote in remotes.values():
-                    await remote.close()
+                    for k, (spin, _) in enumerate(settings)
+                ]
+                remotes: dict[str, Any] = {}
+                try:
+                    for (spin, streams), (addresses, token) in zip(settings, started, strict=True):
+                        remote = await open_remote_engine(
+                            path, addresses, token=token, links=streams == "tcp"
+                        )
+                        remotes[_set_name(spin, streams, args.driver_streams)] = remote
+                        await _warm_up(remote.engine, prompt)
+                    for i in range(args.rounds):
+                        row = await _paired_round(args, worker, runner, local, remotes, prompt, lm)
+                        out["rounds"].append(row)
+                        print(
+                            f"  round {i + 1}: "
+                            + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if _is_number(v)),
+                            flush=True,
+                        )
+                finally:
+                    for remote in remotes.values():
+                        await remote.close()
             if args.concurrent > 1:
                 addresses, token = started[0] if started else ([], "")
                 out["concurrent"] = await _paired_concurrency(
