@@ -104,6 +104,7 @@ class NodeServicer:
 
     def Results(self, request, context):
         """The driver subscribes on every node: the tail pushes results, any node pushes errors.
+        (Where the node serves a step_port, the driver subscribes there instead.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
