@@ -14,15 +14,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from google.protobuf.message import DecodeError
-
-from node.step_link import (
-    ACCEPTED,
-    FRAME,
-    MAX_FRAME_BYTES,
-    RESULTS_MAGIC,
-    StepLinkError,
-)
+from node.step_link import ACCEPTED, FRAME, RESULTS_MAGIC, FrameError, StepLinkError, take_frames
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -85,25 +77,11 @@ class ResultsLink(asyncio.Protocol):
                 return
             del self._buffer[:1]
             self._accepted.set_result(None)
-        while len(self._buffer) >= FRAME.size:
-            (size,) = FRAME.unpack_from(self._buffer)
-            if size > MAX_FRAME_BYTES:
-                self._end(f"sent a {size}-byte frame")
-                return
-            end = FRAME.size + size
-            if len(self._buffer) < end:
-                return
-            with memoryview(self._buffer) as buffer, buffer[FRAME.size : end] as frame:
-                try:
-                    batch = pb.ResultBatch.FromString(frame)
-                except DecodeError as error:
-                    batch = None
-                    why = f"sent a malformed result batch ({error})"
-            if batch is None:
-                self._end(why)
-                return
-            del self._buffer[:end]
-            self._on_batch(batch)
+        try:
+            for batch in take_frames(self._buffer, pb.ResultBatch, "result batch"):
+                self._on_batch(batch)
+        except FrameError as error:
+            self._end(f"sent {error}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._accepted.done():  # closed on us before its answer: refused

@@ -35,7 +35,8 @@ import hmac
 import logging
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -54,6 +55,34 @@ ACCEPTED = b"\x01"  # the listener's one answer, after a good hello
 
 class StepLinkError(ConnectionError):
     """The link to the successor could not be opened or broke."""
+
+
+class FrameError(ValueError):
+    """A frame that does not hold a message of its stream."""
+
+
+# The messages that travel in frames: steps one way, a driver's results the other.
+Message = TypeVar("Message", pb.StepBatch, pb.ResultBatch)
+
+
+def take_frames(buffer: bytearray, kind: type[Message], what: str) -> Iterator[Message]:
+    """The messages of the whole frames at the start of `buffer` (u32 length, a serialized
+    `kind`), each removed from it as it is yielded and parsed from the buffer itself, not from
+    a copy; a frame over MAX_FRAME_BYTES, or one that is not a `what`, raises FrameError."""
+    while len(buffer) >= FRAME.size:
+        (size,) = FRAME.unpack_from(buffer)
+        if size > MAX_FRAME_BYTES:
+            raise FrameError(f"a {size}-byte frame")
+        end = FRAME.size + size
+        if len(buffer) < end:
+            return
+        with memoryview(buffer) as view, view[FRAME.size : end] as frame:
+            try:
+                message = kind.FromString(frame)
+            except DecodeError as error:
+                raise FrameError(f"a malformed {what} ({error})") from None
+        del buffer[:end]  # once no view holds the buffer: it cannot shrink while one does
+        yield message
 
 
 def _no_delay(writer: asyncio.StreamWriter) -> None:
@@ -175,25 +204,11 @@ class _StepStream(asyncio.Protocol):
         self._transport.write(FRAME.pack(len(payload)) + payload)
 
     def _steps(self) -> None:
-        while len(self._buffer) >= FRAME.size:
-            (size,) = FRAME.unpack_from(self._buffer)
-            if size > MAX_FRAME_BYTES:
-                self._refuse(f"a {size}-byte frame")
-                return
-            end = FRAME.size + size
-            if len(self._buffer) < end:
-                return
-            with memoryview(self._buffer) as buffer, buffer[FRAME.size : end] as frame:
-                try:  # parsed from the receive buffer itself, not from a copy of it
-                    message = pb.StepBatch.FromString(frame)
-                except DecodeError as error:
-                    message = None
-                    why = f"a malformed step ({error})"
-            if message is None:
-                self._refuse(why)
-                return
-            del self._buffer[:end]
-            self._listener.accept(message)
+        try:
+            for message in take_frames(self._buffer, pb.StepBatch, "step"):
+                self._listener.accept(message)
+        except FrameError as error:
+            self._refuse(str(error))
 
     def _refuse(self, why: str) -> None:
         log.warning("closed the step stream from %s: %s", self._peer, why)
