@@ -6,7 +6,7 @@ grpc.aio stream a hop took 1.8x a bare grpc.aio echo (BENCHMARKS.md, "Hop, the m
 cause"): the step's codec runs inside gRPC's message path, cold, and gRPC's own per-message
 Python work comes on top. The same serialized `StepBatch` (`wire.step_batch_bytes`) sent as a
 length-prefixed frame on an asyncio TCP stream costs about what the echo costs. The control
-plane (LoadShard, Info, Results, Release) stays on gRPC, and so does everything under TLS: the
+plane (LoadShard, Info, Release) stays on gRPC, and so does everything under TLS: the
 successor advertises this port in its `NodeInfo.step_port` only when it serves without TLS.
 
 The stream is one-way, as the gRPC one is used:
