@@ -52,6 +52,7 @@ class ResultsLink(asyncio.Protocol):
         """Connect and subscribe: once this returns, nothing the node publishes is lost."""
         address = f"{host}:{port}"
         loop = asyncio.get_running_loop()
+        link = None
         try:
             async with asyncio.timeout(timeout_s):
                 _, link = await loop.create_connection(
@@ -59,6 +60,8 @@ class ResultsLink(asyncio.Protocol):
                 )
                 await link._accepted
         except (OSError, TimeoutError, StepLinkError) as error:
+            if link is not None:  # connected, but no answer in time
+                link.close()
             raise StepLinkError(f"no results stream from {address}: {error}") from None
         return link
 

@@ -218,6 +218,26 @@ def test_a_results_stream_needs_the_token_and_a_listener_that_serves_results() -
     run(go())
 
 
+def test_a_node_that_never_answers_the_hello_is_given_up_and_hung_up_on() -> None:
+    async def go() -> None:
+        hung_up = asyncio.Event()
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # until the driver closes its end
+            hung_up.set()
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(StepLinkError, match="no results stream"):
+            await ResultsLink.open("127.0.0.1", port, TOKEN, print, print, timeout_s=0.3)
+        await asyncio.wait_for(hung_up.wait(), 5)
+        server.close()
+        await server.wait_closed()
+
+    run(go())
+
+
 @pytest.mark.parametrize(
     ("frame", "why"),
     [

@@ -26,6 +26,12 @@ is half the round trip, and each way does a hop's real work:
   codec      `cluster.wire` encode + parse + decode of the step alone, no network (per hop)
   codec-cold the codec variant with the thread asleep 100 us before each hop (not timed), as
              a hop's codec runs: on a thread that has just woken
+  driver     a driver's two legs, as the driver takes them now: a step (tokens, no hidden
+             states) to the head's step port as a step stream, and the tail's result back on
+             the driver's results stream from the same port (`node.results_link`), each
+             decoded as the node and the driver decode them
+  driver-grpc the same two legs over gRPC, as before (and under TLS): the Steps stream and the
+             Results stream, the result queued for the Results stream as a node queues it
 
 Compare proto - grpc with grpc+busy - grpc, and codec-cold with codec: how much of a hop's
 codec cost comes from running cold (caches and branch history lost to other threads' work
@@ -66,14 +72,16 @@ from google.protobuf import wrappers_pb2
 
 from cluster import wire
 from cluster.bench.common import bench_parser
-from cluster.messages import StepRequest
+from cluster.messages import StepRequest, StepResult
+from node.results_link import ResultsLink
+from node.stage import Subscribers
 from node.step_link import StepListener, StepSender
 from proto import cluster_pb2 as pb
 
 SHAPES = ((1, 2, 5120), (1, 1, 256))  # Qwen3.5-27B's hidden size; a tiny model's
 VARIANTS = (
     "link", "proto", "proto-msg", "msgpack", "grpc", "grpc+busy", "tcp", "tcp+proto", "codec",
-    "codec-cold",
+    "codec-cold", "driver", "driver-grpc",
 )  # fmt: skip
 LINK_TOKEN = "hop-bench"
 METHOD = "/bench.Hop/{}"
@@ -186,6 +194,19 @@ _TCP_ECHOES: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
+def driver_step(i: int) -> bytes:
+    """A driver's decode step to the head: one request's tokens, no hidden states."""
+    entries, _ = decode_size_step((1, 1, 1))
+    return wire.step_batch_to_proto(entries, None, i).SerializeToString()
+
+
+def _tail_result(message: pb.StepBatch) -> pb.ResultBatch:
+    """What a tail answers a step with, the layers and sampling left out."""
+    entries, _, _ = wire.step_batch_from_proto(message)
+    results = [StepResult(e.request_id, (42,), keep=len(e.tokens)) for e in entries]
+    return wire.results_to_proto(results, [])
+
+
 # ---- the echo server (child process) ----
 
 
@@ -226,11 +247,46 @@ async def _link_echo(client_port: int) -> tuple[StepListener, asyncio.Task]:
     return listener, asyncio.create_task(send_back())
 
 
+def _driver_handlers(subscribers: Subscribers) -> dict[str, grpc.RpcMethodHandler]:
+    """A node's Steps and Results streams, as `node.server` serves them: each step's result
+    published to the subscribers' queues, each subscriber's queue drained by its stream."""
+
+    async def steps(requests, context: grpc.aio.ServicerContext):
+        async for message in requests:
+            subscribers.publish(_tail_result(message))
+        return
+        yield  # a stream of answers, as the Steps method's, never written to
+
+    async def results(request, context: grpc.aio.ServicerContext):
+        queue = subscribers.add()
+        try:
+            await context.send_initial_metadata(())
+            while True:
+                yield await queue.get()
+        finally:
+            subscribers.remove(queue)
+
+    return {
+        "driver-steps": grpc.stream_stream_rpc_method_handler(
+            steps, pb.StepBatch.FromString, pb.StepEvent.SerializeToString
+        ),
+        "driver-results": grpc.unary_stream_rpc_method_handler(
+            results, pb.ResultsRequest.FromString, pb.ResultBatch.SerializeToString
+        ),
+    }
+
+
 async def _serve(options: Options, ports: mp.Queue, stop: mp.Event, link_port: int) -> None:
     handlers = {
         name: grpc.stream_stream_rpc_method_handler(_stream_handler(echo), des, ser)
         for name, (echo, des, ser) in _HANDLERS.items()
     }
+    # The driver variants' node: one set of subscribers per variant, as each has its own node.
+    handlers |= _driver_handlers(Subscribers())
+    linked = Subscribers()
+    driver = StepListener(
+        LINK_TOKEN, lambda message: linked.publish(_tail_result(message)), linked.add_link
+    )
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Hop", handlers)])
     port = {"grpc": server.add_insecure_port("127.0.0.1:0")}
@@ -242,6 +298,7 @@ async def _serve(options: Options, ports: mp.Queue, stop: mp.Event, link_port: i
     link = await _link_echo(link_port) if link_port else None
     if link is not None:
         port["link"] = link[0].port
+    port["driver"] = await driver.start("127.0.0.1")
     await server.start()
     ports.put(port)
     try:
@@ -253,6 +310,7 @@ async def _serve(options: Options, ports: mp.Queue, stop: mp.Event, link_port: i
         if link is not None:
             link[1].cancel()
             await link[0].close()
+        await driver.close()
         await server.stop(None)
 
 
@@ -393,6 +451,50 @@ class _Link:
         await self._sender.close()
 
 
+class _Driver:
+    """A driver's legs: a step out to the "head", its result back from the "tail" (one
+    process here), over the node's TCP port (`driver`) or its gRPC streams (`driver-grpc`)."""
+
+    def __init__(self, variant: str) -> None:
+        self._variant = variant
+        self._inbox: asyncio.Queue[pb.ResultBatch] = asyncio.Queue()
+
+    async def open(self, port: int, channel: grpc.aio.Channel) -> _Driver:
+        if self._variant == "driver":
+            self._sender = await StepSender.open("127.0.0.1", port, LINK_TOKEN)
+            self._link = await ResultsLink.open(
+                "127.0.0.1", port, LINK_TOKEN, self._inbox.put_nowait, print
+            )
+            return self
+        steps = channel.stream_stream(METHOD.format("driver-steps"), None, pb.StepEvent.FromString)
+        self._steps = steps()
+        results = channel.unary_stream(
+            METHOD.format("driver-results"),
+            pb.ResultsRequest.SerializeToString,
+            pb.ResultBatch.FromString,
+        )
+        self._results = results(pb.ResultsRequest())
+        await self._results.wait_for_connection()
+        return self
+
+    async def round_trip(self, i: int) -> None:
+        if self._variant == "driver":
+            await self._sender.send(driver_step(i))
+            batch = await self._inbox.get()
+        else:
+            await self._steps.write(driver_step(i))
+            batch = await self._results.read()
+        wire.results_from_proto(batch)
+
+    async def close(self) -> None:
+        if self._variant == "driver":
+            self._link.close()
+            await self._sender.close()
+        else:
+            self._results.cancel()
+            self._steps.cancel()
+
+
 class _Codec:
     """The codec alone: each 'round trip' is two hops of encode + parse + decode, each hop
     after `sleep_s` asleep (not timed) if given."""
@@ -470,9 +572,13 @@ async def measure(
                 await stack.enter_async_context(ch)
                 await asyncio.wait_for(ch.channel_ready(), 30)
                 for v, shape in itertools.product(variants, shapes):
+                    if v.startswith("driver") and shape != shapes[0]:
+                        continue  # a driver's step carries tokens: no shape of its own
                     step = steps[shape]
                     if v == "link":
                         probe = await _Link(step, inbox).open(port[v])
+                    elif v.startswith("driver"):
+                        probe = await _Driver(v).open(port["driver"], ch)
                     elif v in _TCP_ECHOES:
                         probe = await _Tcp(v, step).open(port[v])
                     elif v == "codec":
@@ -495,7 +601,14 @@ async def measure(
                         samples[key] += await _time(probes[key], iters)
     sizes = {s: len(wire.step_batch_bytes(*steps[s], 0)) for s in shapes}
     return [
-        _row(label, v, shape, sizes[shape], samples[label, v, shape]) for label, v, shape in probes
+        _row(
+            label,
+            v,
+            shape,
+            len(driver_step(0)) if v.startswith("driver") else sizes[shape],
+            samples[label, v, shape],
+        )
+        for label, v, shape in probes
     ]
 
 
@@ -540,12 +653,12 @@ def ablation_setups() -> list[Setup]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'options':<44} {'variant':<10} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
+        f"{'options':<44} {'variant':<11} {'shape':<9} {'bytes':>6} {'median_us':>9} {'p90_us':>7}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.options:<44} {r.variant:<10} {r.shape:<9} {r.payload_bytes:>6} "
+            f"{r.options:<44} {r.variant:<11} {r.shape:<9} {r.payload_bytes:>6} "
             f"{r.median_us:>9.1f} {r.p90_us:>7.1f}"
         )
     return "\n".join(lines)
