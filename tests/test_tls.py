@@ -115,6 +115,8 @@ def test_a_node_without_the_model_fetches_it_over_tls(
         )
         local = await open_local_engine(model_dir)
         try:
+            # No plain TCP under TLS: the driver's steps and results stay on the encrypted streams.
+            assert pipeline.transports == {"steps": "grpc", "results": ["grpc"]}
             remote_out = await GenerationEngine(pipeline).generate(GenerationRequest(prompt, 16))
             local_out = await local.engine.generate(GenerationRequest(prompt, 16))
             return remote_out.tokens, local_out.tokens
