@@ -314,6 +314,30 @@ def test_a_driver_streams_steps_and_results_over_tcp_with_the_grpc_tokens(
     run(go())
 
 
+def test_a_driver_whose_results_stream_is_refused_listens_over_grpc(
+    solo, model_dir: Path, tokenizer, monkeypatch
+) -> None:
+    """A node that serves steps but no results stream (one of an older version, say): the
+    driver's steps still take its TCP port, its results come over gRPC."""
+
+    async def refused(host: str, port: int, *args, **kwargs):
+        raise StepLinkError(f"no results stream from {host}:{port}: refused")
+
+    monkeypatch.setattr(ResultsLink, "open", refused)
+    prompt = tuple(tokenizer.encode("def add(a, b):"))
+
+    async def go() -> None:
+        pipeline = await load_pipeline(model_dir, solo.addresses, token=solo.token)
+        try:
+            assert pipeline.transports == {"steps": "tcp", "results": ["grpc"]}
+            output = await GenerationEngine(pipeline).generate(GenerationRequest(prompt, 6))
+            assert len(output.tokens) == 6
+        finally:
+            await pipeline.close()
+
+    run(go())
+
+
 def test_a_node_that_dies_under_tcp_streams_fails_its_requests_with_its_name(
     node_factory, model_dir: Path, tokenizer
 ) -> None:
