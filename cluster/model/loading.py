@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
 from cluster.model import few_row_matmul, fused
+from cluster.model.layers import PackedDecoderLayer
 from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -120,13 +121,28 @@ def load_shard(
     _check_complete(wanted, weights, config.path, spec)
     weights = {k: _cast(k, v, dtype, config) for k, v in weights.items()}
     shard.load_weights(list(weights.items()), strict=True)
+    # The shard holds the only references now, so a fused projection's parts are freed once
+    # read into it (held here too, they kept a load at 1.44x the shard's bytes, and a 27B
+    # bf16 shard ran an 80 GB GPU out of memory).
+    del weights, wanted
     if for_decoding:  # on the lazy weights: the parts are read straight into the fused arrays
         fused.fuse_projections(shard)
         if few_row_matmul.available():
             few_row_matmul.use_few_row_kernel(shard)
     shard.eval()
-    mx.eval(shard.parameters())
+    _evaluate_by_layer(shard)
     return shard
+
+
+def _evaluate_by_layer(shard: ModelShard) -> None:
+    """Read the lazy weights in, one decoder layer at a time, then the rest. A fused array
+    is built from its parts (`cluster.model.fused`); evaluated all at once, MLX reads parts of
+    many layers before it builds their fused arrays (a load's peak 1.20x the shard's bytes on
+    the bundled model); a layer at a time, 1.00x."""
+    for _, module in shard.named_modules():
+        if isinstance(module, PackedDecoderLayer):
+            mx.eval(module.parameters())
+    mx.eval(shard.parameters())
 
 
 def _read_weights(
