@@ -66,8 +66,7 @@ def child(model_dir: Path, start: int, end: int) -> dict:
     active0, rss0 = mx.get_active_memory(), rss_bytes()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    shard = load_shard(model_dir, spec)
-    mx.eval(shard.parameters())
+    shard = load_shard(model_dir, spec, for_decoding=True)  # as a node's LoadShard loads it
     load_s = time.perf_counter() - t0
     gc.collect()
     return {
