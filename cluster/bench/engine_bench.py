@@ -257,7 +257,10 @@ def step_costs(model_dir: Path, lm_model, ids: tuple[int, ...], iters: int) -> d
     from cluster.model.shard import ShardSpec
 
     num_layers = load_model_config(model_dir).num_layers
-    runner = ShardRunner(load_shard(model_dir, ShardSpec.whole(num_layers)))
+    # The engine's shard, each step timed alone: steps built ahead would be built for the
+    # request just stepped and undone when the next call steps another one.
+    shard = load_shard(model_dir, ShardSpec.whole(num_layers), for_decoding=True)
+    runner = ShardRunner(shard, lookahead=False)
     kinds = {
         "mlx-lm forward, 1 token": _LMForward(lm_model, ids, 1),
         "mlx-lm forward, 2 tokens": _LMForward(lm_model, ids, 2),
