@@ -8,10 +8,11 @@ weights concatenated along the output axis, whose output is split again. Quantiz
 concatenate the same way (quantization groups run along the input axis), so every output
 column is computed from exactly the weights it was before.
 
-Applied by `load_shard(..., fuse_projections=True)` to the lazily loaded weights, before they
-are evaluated: the parts are read straight into the fused array, so loading needs no extra
-memory. The parameter names change (`linear_attn.in_proj.proj.*`), so a shard that is written
-back out (`cluster convert`) is loaded unfused.
+Applied by `load_shard(..., for_decoding=True)` to the lazily loaded weights, before they are
+evaluated: the parts are read straight into the fused array and freed, a layer at a time, so
+a load peaks at the shard's own bytes (`tests/test_loading.py`). The parameter names change
+(`linear_attn.in_proj.proj.*`), so a shard that is written back out (`cluster convert`) is
+loaded unfused.
 """
 
 from __future__ import annotations
