@@ -159,3 +159,36 @@ def test_step_profile_times_the_layers_and_the_tail(tmp_path: Path) -> None:
         (2, True),
     }
     assert all(r["layers_ms"] > 0 and r["tail_ms"] > 0 and r["step_ms"] > 0 for r in rows)
+    ceilings = json.loads(out.read_text())["batching_ceiling"]
+    assert set(ceilings) == {"mlx-lm forward", "engine plain step", "engine MTP step"}
+    assert all(c > 0 for c in ceilings.values())
+
+
+def test_stepped_requests_decode_what_plain_steps_decode() -> None:
+    """The step benchmarks' hand-stepped requests (`cluster.bench.stepping`) feed each step
+    the tail's drafts and the last step's rollback: greedy, every depth emits the tokens that
+    plain steps emit, on one runner that steps the kinds in turns."""
+    from cluster.bench.stepping import SteppedRequests, bare_runner, interleaved
+    from cluster.config import bundled_model_path
+
+    runner = bare_runner(bundled_model_path())
+    ids = (785, 3827, 374, 264, 1273)
+    kinds = {
+        depth: SteppedRequests(runner, ids, size=2, depth=depth, name=f"d{depth}")
+        for depth in (None, 0, 1, 3)
+    }
+    emitted = {depth: [list(r.tokens) for r in kinds[depth].results] for depth in kinds}
+
+    def record(depth):
+        for seq, result in zip(emitted[depth], kinds[depth].results, strict=True):
+            seq.extend(result.tokens)
+
+    calls = {depth: (lambda d=depth: (kinds[d](), record(d))[0]) for depth in kinds}
+    times = interleaved(calls, iters=12, warmup=0, seed=1)
+    assert all(len(t) == 12 and min(t) > 0 for t in times.values())
+    shortest = min(len(seq) for seqs in emitted.values() for seq in seqs)
+    assert shortest >= 13
+    for depth, seqs in emitted.items():
+        assert [seq[:shortest] for seq in seqs] == [seq[:shortest] for seq in emitted[None]], (
+            f"depth {depth}"
+        )

@@ -37,6 +37,59 @@ def test_filters() -> None:
     assert greedy.item() == 0
 
 
+def _reference_filters(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The filters' rule by sorting everything (float64): top-k keeps what is at least the
+    k-th largest; top-p keeps the likeliest while the mass before them is below top_p, and
+    every token tied with the last one kept; min-p keeps what is at least min_p x the top.
+    Also which tokens top-p's cut leaves to rounding: float32 sums 248k probabilities to
+    about 1e-4, so a token whose mass before it is that close to top_p may fall either way."""
+    z = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < z.size:
+        z = np.where(z < np.sort(z)[-params.top_k], -np.inf, z)
+    lp = z - np.logaddexp.reduce(z)
+    close = np.zeros(z.shape, dtype=bool)
+    if params.top_p < 1.0:
+        ranked = np.sort(lp)[::-1]
+        before = np.concatenate([[0.0], np.cumsum(np.exp(ranked))[:-1]])
+        last = ranked[(before < params.top_p).sum() - 1]
+        # The mass of the tokens likelier than each token.
+        above = np.cumsum(np.exp(ranked))[np.searchsorted(-ranked, -lp, side="left") - 1]
+        above = np.where(lp >= ranked[0], 0.0, above)
+        close = np.abs(above - params.top_p) < 1e-3
+        lp = np.where(lp < last, -np.inf, lp)
+    if params.min_p > 0.0:
+        lp = np.where(lp < lp.max() + np.log(params.min_p), -np.inf, lp)
+    return lp - np.logaddexp.reduce(lp), close
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(0.7, top_k=20),
+        SamplingParams(0.7, top_p=0.95),
+        SamplingParams(0.6, top_k=20, top_p=0.95),
+        SamplingParams(1.0, top_k=500, top_p=0.5),
+        SamplingParams(0.7, top_p=0.8, min_p=0.05),
+        SamplingParams(1.3, top_k=3),
+    ],
+)
+def test_filters_match_the_sorted_rule_at_a_real_vocabulary(params: SamplingParams) -> None:
+    """The filters take no sort of the vocabulary (a partition for top-k, a sort of top-k's
+    survivors for top-p) and keep what sorting everything keeps, ties included: bf16 logits
+    over a 248k vocabulary tie often, and a tie at the cut stays in."""
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(0, 3, 248320), rng.normal(0, 0.5, 248320)]
+    rows.append(np.round(rows[0]))  # many exact ties, at every cut
+    logits = mx.array(np.stack(rows)).astype(mx.bfloat16)
+    ours = np.array(log_probs(logits, params))
+    for row, got in zip(np.array(logits.astype(mx.float32)), ours, strict=True):
+        want, close = _reference_filters(row, params)
+        differ = np.isinf(got) != np.isinf(want)
+        assert not (differ & ~close).any(), np.flatnonzero(differ & ~close)[:10]
+        kept = ~np.isinf(want) & ~np.isinf(got)
+        np.testing.assert_allclose(got[kept], want[kept], atol=2e-4 + differ.sum() * 1e-4)
+
+
 def test_seeded_sampling_replays() -> None:
     logits = mx.random.normal((1, 100), key=mx.random.key(3))
     params = SamplingParams(1.0, seed=7)

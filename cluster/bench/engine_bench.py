@@ -20,11 +20,11 @@ thread, which wall time rewards and CPU time does not, so the two can differ for
 
 Part 2, step by step. On a machine whose background load swings by 2x within seconds, whole
 runs are too coarse to interleave; so the cost of one decode step of each kind is also
-timed call by call, interleaved: mlx-lm's forward of 1 token and of 2 tokens on a warm
-cache, and the engine's shard stepping a request plainly or with MTP (layers, lm_head,
-sampling, verification and the MTP draft). With acceptance a, MTP emits 1 + a tokens per
-step, so its speedup is (1 + a) / (MTP step / plain step); this prediction is printed
-beside the end-to-end ratio.
+timed call by call, interleaved (`cluster.bench.stepping`): mlx-lm's forward of 1 token and
+of 2 tokens on a warm cache, and the engine's shard stepping a request plainly or with MTP
+(layers, lm_head, sampling, verification and the MTP draft). With acceptance a, MTP emits
+1 + a tokens per step, so its speedup is (1 + a) / (MTP step / plain step); this prediction
+is printed beside the end-to-end ratio.
 
 Part 3, when `cluster.model.convert` exists: MTP acceptance of the model converted to 8 and 4
 bits, on the same prompts and seeds.
@@ -55,10 +55,10 @@ from cluster.bench.common import (
     spread,
     write_json,
 )
-from cluster.config import load_model_config
+from cluster.bench.stepping import LMForward, SteppedRequests, bare_runner, interleaved
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
-from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from cluster.messages import RequestOptions, SamplingParams
 
 VARIANTS = ("mtp-on", "mtp-off", "mlx-lm")
 MODES = {"greedy": 0.0, "sampled": SAMPLED_TEMPERATURE}
@@ -195,88 +195,22 @@ def summarize_runs(samples: list[Sample]) -> dict:
 # ---- part 2: single steps, interleaved call by call ----
 
 
-class _Decoder:
-    """One live request on a bare `ShardRunner` (the whole model), stepped by hand: plain
-    steps of 1 token, or MTP steps [y, d] with the previous step's rollback."""
-
-    def __init__(self, runner, ids, temp: float, mtp: bool, name: str):
-        self.runner, self.ids, self.temp, self.mtp, self.name = runner, ids, temp, mtp, name
-        self.count = 0
-        self._open()
-
-    def _open(self) -> None:
-        self.count += 1
-        options = RequestOptions(
-            SamplingParams(temperature=self.temp, seed=self.count), mtp=self.mtp
-        )
-        self.step = StepRequest(f"{self.name}-{self.count}", self.ids, 0, options=options)
-        self.result = self.runner.run([self.step]).results[0]
-
-    def __call__(self) -> float:
-        if self.step.position > 256:  # keep the context short: a fresh request
-            self.runner.release(self.step.request_id)
-            self._open()
-        draft = self.result.drafts[0] if self.mtp and self.result.drafts else None
-        step = StepRequest(
-            self.step.request_id,
-            (self.result.tokens[-1],) if draft is None else (self.result.tokens[-1], draft),
-            position=self.step.position + self.result.keep,
-            draft_len=0 if draft is None else 1,
-            rollback=len(self.step.tokens) - self.result.keep,
-        )
-        t0 = time.perf_counter()
-        self.result = self.runner.run([step]).results[0]
-        elapsed = time.perf_counter() - t0
-        self.step = step
-        return elapsed
-
-
-class _LMForward:
-    """mlx-lm's forward of `n` tokens on a warm cache (rebuilt every 64 calls)."""
-
-    def __init__(self, model, ids, n: int):
-        self.model, self.ids, self.n, self.calls = model, ids, n, 0
-
-    def __call__(self) -> float:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        if self.calls % 64 == 0:
-            self.cache = make_prompt_cache(self.model)
-            mx.eval(self.model(mx.array(self.ids)[None], cache=self.cache))
-        self.calls += 1
-        x = mx.array([self.ids[-1]] * self.n)[None]
-        t0 = time.perf_counter()
-        mx.eval(self.model(x, cache=self.cache))
-        return time.perf_counter() - t0
-
-
 def step_costs(model_dir: Path, lm_model, ids: tuple[int, ...], iters: int) -> dict:
     """Median time of one decode step of each kind, the kinds interleaved call by call."""
-    from cluster.decode.runner import ShardRunner
-    from cluster.model.loading import load_shard
-    from cluster.model.shard import ShardSpec
-
-    num_layers = load_model_config(model_dir).num_layers
-    # The engine's shard, each step timed alone: steps built ahead would be built for the
-    # request just stepped and undone when the next call steps another one.
-    shard = load_shard(model_dir, ShardSpec.whole(num_layers), for_decoding=True)
-    runner = ShardRunner(shard, lookahead=False)
+    runner = bare_runner(model_dir)
     kinds = {
-        "mlx-lm forward, 1 token": _LMForward(lm_model, ids, 1),
-        "mlx-lm forward, 2 tokens": _LMForward(lm_model, ids, 2),
+        "mlx-lm forward, 1 token": LMForward(lm_model, ids, tokens=1),
+        "mlx-lm forward, 2 tokens": LMForward(lm_model, ids, tokens=2),
     }
     for mode, temp in MODES.items():
-        kinds[f"engine plain step, {mode}"] = _Decoder(runner, ids, temp, False, f"p-{mode}")
-        kinds[f"engine MTP step, {mode}"] = _Decoder(runner, ids, temp, True, f"m-{mode}")
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    rng = random.Random(0)
-    for i in range(iters + 5):
-        order = list(kinds)
-        rng.shuffle(order)
-        for kind in order:
-            elapsed = kinds[kind]()
-            if i >= 5:  # warm-up
-                times[kind].append(elapsed)
+        sampling = SamplingParams(temperature=temp)
+        kinds[f"engine plain step, {mode}"] = SteppedRequests(
+            runner, ids, sampling=sampling, name=f"p-{mode}"
+        )
+        kinds[f"engine MTP step, {mode}"] = SteppedRequests(
+            runner, ids, depth=1, sampling=sampling, name=f"m-{mode}"
+        )
+    times = interleaved(kinds, iters, warmup=5, seed=0)
     ms = {k: median(v) * 1e3 for k, v in times.items()}
     one = ms["mlx-lm forward, 1 token"]
     ratios = {"mlx-lm 2 tokens / 1 token": ms["mlx-lm forward, 2 tokens"] / one}

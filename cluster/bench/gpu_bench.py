@@ -585,8 +585,10 @@ async def engine_decode(
 # layers compiled, the row count from which a step's stream is padded to 8 rows, 0: never
 # (`cluster.model.row_padding`), the few-row quantized matmul kernel
 # (`cluster.model.few_row_matmul`) for steps of up to 3 rows, the recurrence as one kernel
-# (`cluster.model.gated_delta_kernel`); the default on CUDA is `+padded+few-row+recurrence`).
+# (`cluster.model.gated_delta_kernel`)). `defaults` leaves every switch at this backend's
+# default: what `cluster` runs (on CUDA the same as `+padded+few-row+recurrence`).
 VARIANTS = (
+    ("defaults", True, None, None, None, None, None),
     ("plain", False, False, False, 0, False, False),
     ("fused", True, False, False, 0, False, False),
     ("fused+compiled", True, True, False, 0, False, False),
@@ -607,10 +609,9 @@ def warm_tokens(args) -> int:
     return min(WARM_BATCH_TOKENS, args.tokens)
 
 
-DEFAULT_VARIANTS = (
-    "plain", "fused", "fused+compiled", "fused+compiled-layers", "fused+compiled-layers+padded",
-    "fused+compiled-layers+padded+few-row", "fused+compiled-layers+padded+few-row+recurrence",
-)  # fmt: skip
+# What runs unless --variants names others: the product as it is. The sweep over the fast
+# path's steps (`--variants plain,fused,...`) is a development tool, several minutes at 27B.
+DEFAULT_VARIANTS = ("defaults",)
 
 
 def _set_variant(
@@ -620,7 +621,7 @@ def _set_variant(
     few_row: bool | None,
     recurrence_kernel: bool | None = None,
 ) -> None:
-    """A variant's switches; None everywhere restores the per-backend defaults."""
+    """A variant's switches; None leaves (or puts back) a switch at the backend's default."""
     compiled.set_enabled(compile_on)
     compiled.set_layers_enabled(layers_on)
     few_row_matmul.set_enabled(few_row)

@@ -25,9 +25,8 @@ level (HTTP: the first SSE event, which the API sends once the first token is de
 
 Where the time goes: around each http trial the nodes' own counters (`cluster.bench.nodes`:
 step batches and their compute time, read through the coordinator) give each node's step time
-and busy share of the trial; the busiest node sets the pace. Then, interleaved call by
-call, one decode step over 8 requests against 1: mlx-lm's forward (the hardware's own
-batching ceiling) and the engine's whole-model shard with MTP and without.
+and busy share of the trial; the busiest node sets the pace. What one decode step over 8
+requests costs against 1, the ceiling of these ratios, is `cluster.bench.step_profile`'s.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-
-import mlx.core as mx
 
 from cluster.bench import nodes
 from cluster.bench.benchmark import counters_since
@@ -60,10 +57,9 @@ from cluster.bench.common import (
     write_json,
 )
 from cluster.bench.workload import Scenario
-from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
-from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from cluster.messages import RequestOptions, SamplingParams
 from coordinator.text_stream import stop_token_ids
 from node.client import open_remote_engine
 
@@ -207,92 +203,6 @@ async def measure(args, model_dir: Path) -> tuple[list[Trial], list[int], list[d
         return trials, runner.seeds, placed
 
 
-# ---- batching ceilings: one decode step over 8 requests against 1 ----
-
-
-class _Batch:
-    """`size` live requests on a bare whole-model `ShardRunner`, stepped together."""
-
-    def __init__(self, runner, ids, size: int, mtp: bool, name: str):
-        options = RequestOptions(SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=1), mtp=mtp)
-        self.runner, self.mtp = runner, mtp
-        self.steps = [StepRequest(f"{name}-{i}", ids, 0, options=options) for i in range(size)]
-        self.results = runner.run(self.steps).results
-
-    def __call__(self) -> float:
-        steps = []
-        for step, result in zip(self.steps, self.results, strict=True):
-            tokens = (result.tokens[-1], *(result.drafts if self.mtp else ()))
-            steps.append(
-                StepRequest(
-                    step.request_id,
-                    tokens,
-                    step.position + result.keep,
-                    draft_len=len(tokens) - 1,
-                    rollback=len(step.tokens) - result.keep,
-                )
-            )
-        t0 = time.perf_counter()
-        self.results = self.runner.run(steps).results
-        elapsed = time.perf_counter() - t0
-        self.steps = steps
-        return elapsed
-
-
-class _LMBatch:
-    """mlx-lm's decode forward over `size` sequences (B = size, L = 1) on a warm cache."""
-
-    def __init__(self, model, ids, size: int):
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.model, self.token, self.size = model, ids[-1], size
-        self.cache = make_prompt_cache(model)
-        mx.eval(model(mx.repeat(mx.array(ids)[None], size, axis=0), cache=self.cache))
-
-    def __call__(self) -> float:
-        x = mx.full((self.size, 1), self.token, dtype=mx.int32)
-        t0 = time.perf_counter()
-        mx.eval(self.model(x, cache=self.cache))
-        return time.perf_counter() - t0
-
-
-def batch_costs(model_dir: Path, batch: int, iters: int) -> dict:
-    """One decode step over `batch` requests against 1, the kinds interleaved call by call:
-    mlx-lm's forward (the hardware's own batching ceiling) and the engine's whole-model shard
-    (layers, tail, sampling; with MTP: [y, d] per request, verify and draft)."""
-    from mlx_lm import load
-
-    from cluster.decode.runner import ShardRunner
-    from cluster.model.loading import load_shard
-    from cluster.model.shard import ShardSpec
-
-    model, tokenizer = load(str(model_dir))
-    ids = tuple(tokenizer.encode(TEXT_PROMPTS[0]))
-    runner = ShardRunner(
-        load_shard(model_dir, ShardSpec.whole(load_model_config(model_dir).num_layers))
-    )
-    kinds = {}
-    for size in (1, batch):
-        kinds[f"mlx-lm forward, {size}"] = _LMBatch(model, ids, size)
-        kinds[f"engine MTP step, {size}"] = _Batch(runner, ids, size, True, f"m{size}")
-        kinds[f"engine plain step, {size}"] = _Batch(runner, ids, size, False, f"p{size}")
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    rng = random.Random(5)
-    for i in range(iters + 3):
-        order = list(kinds)
-        rng.shuffle(order)
-        for kind in order:
-            elapsed = kinds[kind]()
-            if i >= 3:
-                times[kind].append(elapsed)
-    ms = {k: median(v) * 1e3 for k, v in times.items()}
-    out = {"batch": batch, "iters": iters, "median_ms": ms}
-    for name in ("mlx-lm forward", "engine MTP step", "engine plain step"):
-        ratio = ms[f"{name}, {batch}"] / ms[f"{name}, 1"]
-        out[name] = {"cost_ratio": ratio, "ceiling": batch / ratio}
-    return out
-
-
 # ---- report ----
 
 
@@ -349,7 +259,7 @@ def summarize(trials: list[Trial], levels: list[int]) -> dict:
     return out
 
 
-def print_report(summary: dict, batch_cost: dict, placed: list[dict], args) -> None:
+def print_report(summary: dict, placed: list[dict], args) -> None:
     layers = ", ".join(f"{n['node_id']} [{n['start']}, {n['end']})" for n in placed)
     print(f"\nplacement (coordinator's, also used by direct): {layers}")
     print(
@@ -380,18 +290,6 @@ def print_report(summary: dict, batch_cost: dict, placed: list[dict], args) -> N
             for n, v in row["nodes"].items()
         ]
         print(f"  {level} concurrent: " + "   ".join(cells))
-    b = batch_cost["batch"]
-    print(
-        f"one decode step over {b} requests against 1 (interleaved, medians), and the "
-        f"aggregate speedup at {b} concurrent that this allows (ceiling = {b} / cost)"
-    )
-    for name in ("mlx-lm forward", "engine plain step", "engine MTP step"):
-        row = batch_cost[name]
-        print(
-            f"  {name:<18} {batch_cost['median_ms'][f'{name}, 1']:7.1f} ms -> "
-            f"{batch_cost['median_ms'][f'{name}, {b}']:7.1f} ms: {row['cost_ratio']:.2f}x, "
-            f"ceiling {row['ceiling']:.2f}x"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,15 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--levels", default="1,2,4,8")
-    parser.add_argument("--batch-iters", type=int, default=30)
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.levels.split(",")]
     model_dir = args.model or default_model()
     started = time.perf_counter()
     trials, seeds, placed = asyncio.run(measure(args, model_dir))
-    batch_cost = batch_costs(model_dir, max(args.levels), args.batch_iters)
     summary = summarize(trials, args.levels)
-    print_report(summary, batch_cost, placed, args)
+    print_report(summary, placed, args)
     print(f"({time.perf_counter() - started:.0f} s)")
     write_json(
         args.json,
@@ -425,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": TEXT_PROMPTS,
             },
             "summary": summary,
-            "batch_costs": batch_cost,
             "seeds": seeds,
             "placement": placed,
             "trials": [asdict(t) | {"tps": t.tps} for t in trials],

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,10 +55,11 @@ from cluster.bench.common import (
     spread,
     write_json,
 )
+from cluster.bench.stepping import SteppedRequests, bare_runner, interleaved
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.runner import ShardRunner, mtp_lookahead_default
 from cluster.local import open_local_engine
-from cluster.messages import RequestOptions, StepRequest
+from cluster.messages import RequestOptions
 
 WAITING = "1-waits"
 VARIANTS = ("off", "0", "1", WAITING, "2", "3", "4", "auto")
@@ -186,57 +189,17 @@ def summarize_runs(runs: list[Run]) -> dict:
 # ---- part 2: a step by number of positions ----
 
 
-class _Stepper:
-    """One greedy request on a bare runner, stepping [y, d1..d_{P-1}] with the tail's own
-    drafts (it drafts P-1 for its next step); reopened when its context passes 256."""
-
-    def __init__(self, runner: ShardRunner, ids: tuple[int, ...], positions: int):
-        self.runner, self.ids, self.positions = runner, ids, positions
-        self.count = 0
-        self._open()
-
-    def _open(self) -> None:
-        self.count += 1
-        self.rid = f"p{self.positions}-{self.count}"
-        options = RequestOptions(mtp_depth=self.positions - 1)
-        self.result = self.runner.run([StepRequest(self.rid, self.ids, 0, options=options)])
-        self.position, self.previous = len(self.ids), None
-
-    def __call__(self) -> float:
-        if self.position > 256:
-            self.runner.release(self.rid)
-            self._open()
-        (result,) = self.result.results
-        rollback = 0 if self.previous is None else len(self.previous.tokens) - result.keep
-        step = StepRequest(
-            self.rid, (result.tokens[-1], *result.drafts), self.position,
-            draft_len=len(result.drafts), rollback=rollback,
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        self.result = self.runner.run([step])
-        elapsed = time.perf_counter() - t0
-        self.position += self.result.results[0].keep
-        self.previous = step
-        return elapsed
-
-
 def measure_steps(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
     """Median ms of a whole-model step of 1..MAX_POSITIONS positions (the tail's verify and
     drafts included), and of the backbone alone over as many positions, interleaved."""
-    steppers = [_Stepper(runner, ids, p) for p in range(1, MAX_POSITIONS + 1)]
     hidden = runner.shard.hidden_size
     x = [mx.random.normal((1, p, hidden)).astype(mx.bfloat16) for p in range(MAX_POSITIONS + 1)]
     mx.eval(x[1:])
-    kinds = [("step", p) for p in range(1, MAX_POSITIONS + 1)]
-    kinds += [("backbone", p) for p in range(1, MAX_POSITIONS + 1)]
-    times: dict[tuple[str, int], list[float]] = {k: [] for k in kinds}
-    order = random.Random(5)
-    for i in range(iters + 3):
-        order.shuffle(kinds)
-        for kind, p in kinds:
-            elapsed = steppers[p - 1]() if kind == "step" else _time_backbone(runner, x[p], p)
-            if i >= 3:
-                times[(kind, p)].append(elapsed)
+    kinds: dict[tuple[str, int], Callable[[], float]] = {}
+    for p in range(1, MAX_POSITIONS + 1):
+        kinds[("step", p)] = SteppedRequests(runner, ids, depth=p - 1, name=f"p{p}")
+        kinds[("backbone", p)] = functools.partial(_time_backbone, runner, x[p], p)
+    times = interleaved(kinds, iters, warmup=3, seed=5)
     out = {}
     for kind in ("step", "backbone"):
         one = median(times[(kind, 1)])
@@ -386,7 +349,6 @@ def shape_steps(args) -> None:
     """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
     from cluster.bench import gpu_bench, random_checkpoint
     from cluster.config import load_model_config
-    from cluster.model.loading import load_shard
 
     started = time.perf_counter()
     path = args.model or random_checkpoint.default_dir(args.shape, args.bits)
@@ -398,7 +360,7 @@ def shape_steps(args) -> None:
     gpu_bench.free_memory()
     print(f"checkpoint {path}: {report['checkpoint']}", flush=True)
     prompt = random_checkpoint.bench_prompt(load_model_config(path).text.vocab_size, 64)
-    runner = ShardRunner(load_shard(path))
+    runner = bare_runner(path)
     report.update(steps_and_keep(runner, prompt, args.step_iters))
     report["seconds"] = time.perf_counter() - started
     print(f"\n{report['seconds']:.0f} s")
@@ -448,9 +410,7 @@ def main() -> None:
     rates = summary["4"]["conditional_rates"]
     print("conditional acceptance by draft position (depth 4):", [f"{r:.2f}" for r in rates])
 
-    from cluster.model.loading import load_shard
-
-    runner = ShardRunner(load_shard(model_dir))
+    runner = bare_runner(model_dir)
     report.update(steps_and_keep(runner, prompts[0], args.step_iters))
     prediction = predict_bandwidth_bound(rates)
     report["prediction_bandwidth_bound"] = prediction

@@ -194,6 +194,10 @@ def default_dir(shape: str, bits: int) -> Path:
     return base / f"gpu-bench-{shape}-q{bits}"
 
 
+def is_random_checkpoint(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
 def bench_prompt(vocab: int, length: int, seed: int = 0) -> tuple[int, ...]:
     rng = random.Random(seed)
     return tuple(rng.randrange(vocab) for _ in range(length))

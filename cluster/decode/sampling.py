@@ -17,29 +17,42 @@ from cluster.messages import SamplingParams
 def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Log-probabilities [..., vocab] after temperature and the filters (-inf = filtered).
 
-    Greedy requests get the plain softmax (their logprobs, if asked for)."""
+    Greedy requests get the plain softmax (their logprobs, if asked for). No filter sorts the
+    vocabulary: top-k takes its k-th largest logit from a partition, and top-p sorts only what
+    can pass it (top-k's k survivors where top-k is on), then keeps every token at or above the
+    last one it admits. Sorting a 250k vocabulary costs more than the rest of sampling
+    together, and an MTP step samples several rows of it.
+    """
     logits = logits.astype(mx.float32)
     if params.greedy:
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = mx.sort(logits, axis=-1)[..., -params.top_k][..., None]
+    top_k = params.top_k if 0 < params.top_k < logits.shape[-1] else 0
+    if top_k:
+        kth = mx.topk(logits, top_k, axis=-1).min(axis=-1, keepdims=True)
         logits = mx.where(logits < kth, -mx.inf, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        order = mx.argsort(-logprobs, axis=-1)
-        sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
-        # Keep a token while the mass before it is below top_p (the first always stays).
-        before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = before < params.top_p
-        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-        logprobs = mx.where(keep, logprobs, -mx.inf)
+        logprobs = _nucleus(logprobs, params.top_p, top_k)
     if params.min_p > 0.0:
         top = mx.max(logprobs, axis=-1, keepdims=True)
         logprobs = mx.where(logprobs < top + mx.log(mx.array(params.min_p)), -mx.inf, logprobs)
     if params.top_p < 1.0 or params.min_p > 0.0:
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     return logprobs
+
+
+def _nucleus(logprobs: mx.array, top_p: float, top_k: int) -> mx.array:
+    """Top-p: the likeliest tokens while the mass before them is below `top_p` (the first
+    always stays), and every token tied with the last of them, so that the kept set depends on
+    the values alone and not on how a sort orders equal ones. With top-k on, only its survivors
+    can pass (the rest have no mass), so only its k values are sorted."""
+    candidates = mx.topk(logprobs, top_k, axis=-1) if top_k else logprobs
+    ranked = -mx.sort(-candidates, axis=-1)  # likeliest first
+    before = mx.cumsum(mx.exp(ranked), axis=-1, inclusive=False)
+    admitted = (before < top_p).sum(axis=-1, keepdims=True)  # >= 1: `before` starts at 0
+    last = mx.take_along_axis(ranked, admitted - 1, axis=-1)
+    return mx.where(logprobs < last, -mx.inf, logprobs)
 
 
 # What a random number decides, so that one position's decisions never share a key.

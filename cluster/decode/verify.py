@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from cluster.decode.sampling import RequestRandom, draw, sample
+from cluster.decode.sampling import RequestRandom, draw
 from cluster.messages import SamplingParams
 
 
@@ -40,7 +40,11 @@ def propose(
     """target_logprobs: [k+1, vocab] at the last confirmed position and each draft;
     draft_logprobs: [k, vocab], the distributions the drafts were drawn from. `drafts` may
     still be on the device (a step built before the drafts were read)."""
-    target = sample(target_logprobs, params, rng)
+    if params.greedy:
+        target = mx.argmax(target_logprobs, axis=-1)
+    else:  # the target's probabilities serve its own draw and the drafts' verdicts
+        target_probs = mx.exp(target_logprobs)
+        target = draw(target_probs, rng)
     if len(drafts) == 0:
         return Candidates(target, None, None)
     d = drafts if isinstance(drafts, mx.array) else mx.array(drafts)
@@ -48,7 +52,7 @@ def propose(
         return Candidates(target, target[: len(drafts)] == d, target[: len(drafts)])
     if draft_logprobs is None:
         raise ValueError("sampled verification needs the draft distribution")
-    p = mx.exp(target_logprobs[: len(drafts)])
+    p = target_probs[: len(drafts)]
     q = mx.exp(draft_logprobs)
     p_d = mx.take_along_axis(p, d[:, None], axis=-1)[:, 0]
     q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
