@@ -137,6 +137,36 @@ def test_verifier_is_lossless_on_fixed_distributions() -> None:
     assert pvalue > 1e-3, (observed, p * 4000)
 
 
+def test_a_batch_samples_each_request_as_it_would_alone(model_dir, tokenizer) -> None:
+    """The tail transforms the rows of requests that sample alike together (one call per
+    setup): seeded requests of several setups, MTP on, decode in one batch the tokens each
+    decodes alone."""
+    setups = [
+        SamplingParams(0.7, seed=1),
+        SamplingParams(0.7, seed=2),
+        SamplingParams(0.9, top_k=20, top_p=0.9, seed=3),
+        SamplingParams(),
+        SamplingParams(0.7, seed=4),
+        SamplingParams(0.9, top_k=20, top_p=0.9, seed=5),
+    ]
+    prompt = tuple(tokenizer.encode(PROMPT))
+    requests = [GenerationRequest(prompt, 24, RequestOptions(p, mtp=True)) for p in setups]
+
+    async def go():
+        local = await open_local_engine(model_dir, mtp=True)
+        try:
+            alone = [(await local.engine.generate(r)).tokens for r in requests]
+            outs = await asyncio.gather(*(local.engine.generate(r) for r in requests))
+            assert sum(o.drafted for o in outs) > 0
+            return alone, [o.tokens for o in outs]
+        finally:
+            local.close()
+
+    alone, together = run(go())
+    assert together == alone
+    assert len(set(alone)) == len(alone)  # the setups and seeds do differ
+
+
 async def _second_and_third_tokens(model_dir, tokenizer, *, mtp: bool, seed0: int):
     local = await open_local_engine(model_dir, mtp=mtp)
     try:

@@ -26,6 +26,7 @@ MTP cache holds that verdict deferred (cluster.model.cache): the runner resolves
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -276,26 +277,30 @@ class Tail:
 
     def _verify(self, jobs: list[TailJob], normed: mx.array) -> None:
         """Logits where a token is due (one matmul), then each request's candidates."""
+        sampling = [job for job in jobs if job.step.sample]
         rows = []
-        for job in jobs:
-            if job.step.sample:
-                first = job.offset + job.step.n_confirmed - 1
-                rows.extend(range(first, job.offset + len(job.step.tokens)))
+        for job in sampling:
+            first = job.offset + job.step.n_confirmed - 1
+            rows.extend(range(first, job.offset + len(job.step.tokens)))
         if not rows:
             return
         logits = self.shard.logits(normed[0, mx.array(rows)])
-        row = 0
-        for job in jobs:
-            if not job.step.sample:
-                continue
-            n = job.step.draft_len + 1
+        spans = list(itertools.pairwise(itertools.accumulate(
+            (job.step.draft_len + 1 for job in sampling), initial=0
+        )))  # fmt: skip
+        targets = _distributions(
+            logits,
+            [(span, job.state.options.sampling, job.step.token_masks)
+             for job, span in zip(sampling, spans, strict=True)],
+        )  # fmt: skip
+        for job, (start, end), target in zip(sampling, spans, targets, strict=True):
+            n = end - start
             drafts = (
                 job.step.tokens[job.step.n_confirmed :]
                 if job.inputs is None
                 else job.tokens(job.step.n_confirmed)
             )
             params = job.state.options.sampling
-            target = log_probs(constrain(logits[row : row + n], job.step.token_masks), params)
             q = job.state.draft_logprobs[: n - 1] if n > 1 and not params.greedy else None
             # Keyed by the position of the first token it decides: a replay draws the same.
             rng = job.state.rng.at(job.step.position + job.step.n_confirmed)
@@ -303,9 +308,8 @@ class Tail:
             if n > 1:  # the drafts accepted: those before the first rejected one
                 job.verdict = mx.cumprod(job.candidates.accept.astype(mx.uint32)).sum()
             if job.state.options.logprobs:
-                job.logprobs = log_probs(logits[row : row + n], _PLAIN)
+                job.logprobs = log_probs(logits[start:end], _PLAIN)
                 job.top = _likeliest(job.logprobs, job.state.options.top_logprobs)
-            row += n
 
     def _pair(self, job: TailJob, mtp_input: mx.array) -> None:
         """The (hidden state, next token) pairs this step confirms, or may confirm."""
@@ -368,11 +372,19 @@ class Tail:
         if not rows:
             return
         logits = self.shard.logits(mx.stack(rows))
-        for i, job in enumerate(drafting):
-            params = job.state.options.sampling
-            q = log_probs(logits[i], params)
-            job.draft = (sample_with(q, params, uniforms[i]), q)
-            job.draft_hidden = rows[i]
+        for params, members in _alike([job.state.options.sampling for job in drafting]):
+            if len(members) == 1:  # alone: its row as it is, no stacking and unstacking
+                (i,) = members
+                q = log_probs(logits[i], params)
+                drafting[i].draft = (sample_with(q, params, uniforms[i]), q)
+                continue
+            q = log_probs(_rows(logits, members), params)
+            u = None if params.greedy else mx.stack([uniforms[i] for i in members])
+            tokens = sample_with(q, params, u)
+            for k, i in enumerate(members):
+                drafting[i].draft = (tokens[k], q[k])
+        for job, row in zip(drafting, rows, strict=True):
+            job.draft_hidden = row
 
     def _conclude(self, job: TailJob) -> None:
         """Read the verdict (after the sync): tokens, what stays, the first draft."""
@@ -465,3 +477,49 @@ def _likeliest(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array] | None:
     order = mx.argsort(-values, axis=-1)
     tokens = mx.take_along_axis(candidates, order, axis=-1)
     return tokens, mx.take_along_axis(values, order, axis=-1)
+
+
+def _alike(setups: list[SamplingParams]) -> list[tuple[SamplingParams, list[int]]]:
+    """The indices of `setups` grouped by how they sample (seeds aside), in first-seen order:
+    requests that sample alike share one transform of their rows (a batch pays the filters'
+    ops once per setup, not once per request; the ops are row by row, so a row comes out as
+    it would alone)."""
+    if len(setups) == 1:
+        return [(setups[0], [0])]
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, params in enumerate(setups):
+        groups.setdefault(dataclasses.replace(params, seed=None), []).append(i)
+    return list(groups.items())
+
+
+def _rows(array: mx.array, rows: list[int]) -> mx.array:
+    """`array[rows]`: a slice where the rows are consecutive, else a gather."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return array[rows[0] : rows[0] + len(rows)]
+    return array[mx.array(rows)]
+
+
+def _distributions(
+    logits: mx.array, parts: list[tuple[tuple[int, int], SamplingParams, tuple[bytes, ...]]]
+) -> list[mx.array]:
+    """Each part's log-probabilities: its rows [start, end) of `logits`, transformed as its
+    sampling params say after its token masks. Unmasked parts that sample alike are
+    transformed together (`_alike`)."""
+    out: list[mx.array | None] = [None] * len(parts)
+    free = [i for i, (_, _, masks) in enumerate(parts) if not masks]
+    for i, ((start, end), params, masks) in enumerate(parts):
+        if masks:
+            out[i] = log_probs(constrain(logits[start:end], masks), params)
+    for params, members in _alike([parts[i][1] for i in free]):
+        indices = [free[m] for m in members]
+        if len(indices) == 1:
+            (start, end), _, _ = parts[indices[0]]
+            out[indices[0]] = log_probs(logits[start:end], params)
+            continue
+        spans = [parts[i][0] for i in indices]
+        block = log_probs(_rows(logits, [r for a, b in spans for r in range(a, b)]), params)
+        at = 0
+        for i, (a, b) in zip(indices, spans, strict=True):
+            out[i] = block[at : at + b - a]
+            at += b - a
+    return out
