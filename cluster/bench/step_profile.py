@@ -125,7 +125,7 @@ def profile(
         compiled.set_batches_enabled(kind[2] if kind[0] != "mlx-lm" else None)
 
     warmup = 3
-    lm_times = interleaved(kinds, iters, warmup, seed=6, before=switch_recurrence)
+    times = interleaved(kinds, iters, warmup, seed=6, before=switch_recurrence)
     compiled.set_batches_enabled(None)
     rows = []
     for (size, mtp, batch_compiled), calls in samples.items():
@@ -141,7 +141,7 @@ def profile(
         row["tail_share"] = row["tail_ms"] / (row["layers_ms"] + row["tail_ms"])
     ceilings = {}
     if with_mlx_lm:
-        mlx_lm = {size: median(lm_times[("mlx-lm", size)]) * 1e3 for size in sizes}
+        mlx_lm = {size: median(times[("mlx-lm", size)]) * 1e3 for size in sizes}
         ceilings["mlx-lm forward"] = batch * mlx_lm[1] / mlx_lm[batch]
     for row in rows:
         if row["requests"] == batch and not row["compiled_batch"]:

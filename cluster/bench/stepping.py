@@ -49,12 +49,12 @@ def bare_runner(model_dir: Path) -> ShardRunner:
 
 
 class SteppedRequests:
-    """`size` live requests on a bare runner, stepped together by hand, sampling as `sampling`
-    says (greedy by default; each request its own seed). Each step feeds every
+    """`size` live requests on a bare runner, stepped together by hand and sampled as
+    `sampling` says (greedy by default; each request its own seed). Each step feeds every
     request its last token and the tail's own drafts for it (`depth` of them; None: MTP off),
     with the rollback of the drafts the last step rejected. Once their context passes
-    `FRESH_AFTER` positions they are released and fresh ones opened on the same prompt.
-    A call is one step; it returns the step's seconds."""
+    `FRESH_AFTER` positions they are released and fresh ones opened on the same prompt. A
+    call is one step; it returns the step's seconds."""
 
     def __init__(
         self,
