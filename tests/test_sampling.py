@@ -137,10 +137,11 @@ def test_verifier_is_lossless_on_fixed_distributions() -> None:
     assert pvalue > 1e-3, (observed, p * 4000)
 
 
-def test_a_batch_samples_each_request_as_it_would_alone(model_dir, tokenizer) -> None:
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_batch_samples_each_request_as_it_would_alone(model_dir, tokenizer, depth) -> None:
     """The tail transforms the rows of requests that sample alike together (one call per
-    setup): seeded requests of several setups, MTP on, decode in one batch the tokens each
-    decodes alone."""
+    setup), its chained drafts' too: seeded requests of several setups, MTP on, decode in one
+    batch the tokens each decodes alone."""
     setups = [
         SamplingParams(0.7, seed=1),
         SamplingParams(0.7, seed=2),
@@ -150,7 +151,8 @@ def test_a_batch_samples_each_request_as_it_would_alone(model_dir, tokenizer) ->
         SamplingParams(0.9, top_k=20, top_p=0.9, seed=5),
     ]
     prompt = tuple(tokenizer.encode(PROMPT))
-    requests = [GenerationRequest(prompt, 24, RequestOptions(p, mtp=True)) for p in setups]
+    options = [RequestOptions(p, mtp=True, mtp_depth=depth) for p in setups]
+    requests = [GenerationRequest(prompt, 24, o) for o in options]
 
     async def go():
         local = await open_local_engine(model_dir, mtp=True)

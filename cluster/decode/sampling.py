@@ -92,6 +92,10 @@ class RequestRandom:
     def at(self, position: int, purpose: int = TARGET) -> RequestRandom:
         return RequestRandom(_mix(self.seed, position, purpose) >> 1)
 
+    def uniform(self, shape: tuple[int, ...] = ()) -> mx.array:
+        """Uniform numbers in [0, 1) from the stream's next key."""
+        return mx.random.uniform(shape=shape, key=self.next_key())
+
     def uniform_at(self, positions: range, purpose: int) -> mx.array:
         """One uniform number in [0, 1) per position, [len(positions)]."""
         draws = [
@@ -121,7 +125,7 @@ def draw(weights: mx.array, rng: RequestRandom) -> mx.array:
     Inverse-CDF sampling: one uniform number per row rather than Gumbel noise over the whole
     vocabulary, which on a 250k vocabulary is most of a step's sampling cost.
     """
-    return draw_with(weights, mx.random.uniform(shape=weights.shape[:-1], key=rng.next_key()))
+    return draw_with(weights, rng.uniform(weights.shape[:-1]))
 
 
 def draw_with(weights: mx.array, u: mx.array) -> mx.array:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from cluster.decode.mtp_depth import Acceptance, DepthPolicy
-from cluster.decode.sampling import DRAFT, RequestRandom, log_probs, sample, sample_with
+from cluster.decode.sampling import DRAFT, RequestRandom, log_probs, sample_with
 from cluster.decode.step_cost import StepCost
 from cluster.decode.token_mask import constrain
 from cluster.decode.verify import Candidates, decide, propose
@@ -372,19 +372,10 @@ class Tail:
         if not rows:
             return
         logits = self.shard.logits(mx.stack(rows))
-        for params, members in _alike([job.state.options.sampling for job in drafting]):
-            if len(members) == 1:  # alone: its row as it is, no stacking and unstacking
-                (i,) = members
-                q = log_probs(logits[i], params)
-                drafting[i].draft = (sample_with(q, params, uniforms[i]), q)
-                continue
-            q = log_probs(_rows(logits, members), params)
-            u = None if params.greedy else mx.stack([uniforms[i] for i in members])
-            tokens = sample_with(q, params, u)
-            for k, i in enumerate(members):
-                drafting[i].draft = (tokens[k], q[k])
-        for job, row in zip(drafting, rows, strict=True):
-            job.draft_hidden = row
+        setups = [job.state.options.sampling for job in drafting]
+        drafts = _sampled_rows(logits, setups, uniforms)
+        for job, draft, row in zip(drafting, drafts, rows, strict=True):
+            job.draft, job.draft_hidden = draft, row
 
     def _conclude(self, job: TailJob) -> None:
         """Read the verdict (after the sync): tokens, what stays, the first draft."""
@@ -439,12 +430,17 @@ class Tail:
             inputs = mx.stack([hidden[id(j)] for j in active])[None]
             out = self.shard.mtp(embedded, inputs, segments)
             logits = self.shard.logits(out[0])
-            for i, job in enumerate(active):
-                params = job.state.options.sampling
-                q = log_probs(logits[i], params)
-                # Keyed by the draft's position, which the verdict has fixed by now.
-                position = job.first_draft_position() + link
-                tokens[id(job)].append(sample(q, params, job.state.rng.at(position, DRAFT)))
+            setups = [job.state.options.sampling for job in active]
+            # Keyed by the draft's position, which the verdict has fixed by now.
+            uniforms = [
+                None
+                if params.greedy
+                else job.state.rng.at(job.first_draft_position() + link, DRAFT).uniform()
+                for job, params in zip(active, setups, strict=True)
+            ]
+            drafts = _sampled_rows(logits, setups, uniforms)
+            for i, (job, (token, q)) in enumerate(zip(active, drafts, strict=True)):
+                tokens[id(job)].append(token)
                 dists[id(job)].append(q)
                 hidden[id(job)] = out[0, i]
         for job in jobs:
@@ -490,6 +486,27 @@ def _alike(setups: list[SamplingParams]) -> list[tuple[SamplingParams, list[int]
     for i, params in enumerate(setups):
         groups.setdefault(dataclasses.replace(params, seed=None), []).append(i)
     return list(groups.items())
+
+
+def _sampled_rows(
+    logits: mx.array, setups: list[SamplingParams], uniforms: list[mx.array | None]
+) -> list[tuple[mx.array, mx.array]]:
+    """A token from each row of `logits` [rows, vocab] and the distribution it was drawn from:
+    row i transformed and sampled as `setups[i]` says, with the uniform number `uniforms[i]`
+    (None if greedy). Rows that sample alike are transformed and drawn in one call."""
+    out: list[tuple[mx.array, mx.array] | None] = [None] * len(setups)
+    for params, members in _alike(setups):
+        if len(members) == 1:  # alone: its row as it is, no stacking and unstacking
+            (i,) = members
+            q = log_probs(logits[i], params)
+            out[i] = (sample_with(q, params, uniforms[i]), q)
+            continue
+        q = log_probs(_rows(logits, members), params)
+        u = None if params.greedy else mx.stack([uniforms[i] for i in members])
+        tokens = sample_with(q, params, u)
+        for k, i in enumerate(members):
+            out[i] = (tokens[k], q[k])
+    return out
 
 
 def _rows(array: mx.array, rows: list[int]) -> mx.array:

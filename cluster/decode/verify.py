@@ -56,7 +56,7 @@ def propose(
     q = mx.exp(draft_logprobs)
     p_d = mx.take_along_axis(p, d[:, None], axis=-1)[:, 0]
     q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(len(drafts),), key=rng.next_key())
+    u = rng.uniform((len(drafts),))
     accept = u * q_d < p_d  # u < p/q without dividing by a zero q
     # p == q leaves no residual mass; then the draft is always accepted and the value unused.
     correction = draw(mx.maximum(p - q, 0.0), rng)
