@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 import cluster.decode.verify as verify
 from cluster.decode.engine import GenerationRequest
-from cluster.decode.sampling import RequestRandom, log_probs, sample
+from cluster.decode.sampling import RequestRandom, log_probs, sample_with
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams
 
@@ -33,7 +33,7 @@ def test_filters() -> None:
     np.testing.assert_allclose(probs(min_p=0.35), [2 / 3, 1 / 3, 0, 0], rtol=1e-5)
     hot = np.exp(np.array(log_probs(logits, SamplingParams(2.0))))[0]
     assert hot[0] < 0.5 and hot[3] > 0.1
-    greedy = sample(log_probs(logits, SamplingParams()), SamplingParams(), RequestRandom(0))
+    greedy = sample_with(log_probs(logits, SamplingParams()), SamplingParams(), None)
     assert greedy.item() == 0
 
 
@@ -96,7 +96,8 @@ def test_seeded_sampling_replays() -> None:
 
     def draw() -> list[int]:
         rng = RequestRandom(7)
-        return [sample(log_probs(logits, params), params, rng).item() for _ in range(20)]
+        lp = log_probs(logits, params)
+        return [sample_with(lp, params, rng.uniform((1,))).item() for _ in range(20)]
 
     assert draw() == draw()
 

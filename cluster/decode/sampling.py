@@ -105,15 +105,9 @@ class RequestRandom:
         return draws[0] if len(draws) == 1 else mx.concatenate(draws)
 
 
-def sample(logprobs: mx.array, params: SamplingParams, rng: RequestRandom) -> mx.array:
-    """One token per row of `logprobs` (argmax when greedy)."""
-    if params.greedy:
-        return mx.argmax(logprobs, axis=-1)
-    return draw(mx.exp(logprobs), rng)
-
-
 def sample_with(logprobs: mx.array, params: SamplingParams, u: mx.array | None) -> mx.array:
-    """`sample` with the uniform number(s) given: one per row, in [0, 1) (None if greedy)."""
+    """One token per row of `logprobs`: argmax when greedy, else drawn with the uniform
+    number(s) given, one per row in [0, 1)."""
     if params.greedy:
         return mx.argmax(logprobs, axis=-1)
     return draw_with(mx.exp(logprobs), u)
