@@ -67,6 +67,13 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
     "float32": (mx.float32, np.dtype(np.float32)),
 }
 _DTYPE_NAMES = {spec[0]: name for name, spec in _DTYPES.items()}
+
+
+def dtype_name(dtype: mx.Dtype) -> str | None:
+    """A dtype's name on the wire (None: one the wire does not carry)."""
+    return _DTYPE_NAMES.get(dtype)
+
+
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SAMPLING = SamplingParams()
 _OPTIONS = RequestOptions()
@@ -242,7 +249,13 @@ def step_batch_to_proto(
 
 def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.array | None, int]:
     """(entries, hidden or None, sequence); `RequestError` for an invalid entry."""
-    entries = [
+    hidden = tensor_from_proto(msg.hidden) if msg.HasField("hidden") else None
+    return step_entries_from_proto(msg), hidden, msg.sequence
+
+
+def step_entries_from_proto(msg: pb.StepBatch) -> list[StepRequest]:
+    """The entries of a `StepBatch` alone; `RequestError` for an invalid entry."""
+    return [
         StepRequest(
             request_id=m.request_id,
             tokens=tuple(m.tokens),
@@ -258,8 +271,6 @@ def step_batch_from_proto(msg: pb.StepBatch) -> tuple[list[StepRequest], mx.arra
         )
         for m in msg.entries
     ]
-    hidden = tensor_from_proto(msg.hidden) if msg.HasField("hidden") else None
-    return entries, hidden, msg.sequence
 
 
 def step_batch_bytes(

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 
 from cluster import __version__
 from cluster.config import ModelDirError
+from cluster.decode import doorbell
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import GPU_SPIN_S, MLXWorker
 from cluster.messages import RequestError
@@ -108,6 +109,7 @@ class NodeService(pb_grpc.NodeServicer):
         weights_store: WeightsStore | None = None,
         prefix_budget_bytes: int | None = None,
         spin_s: float | None = None,
+        build_ahead: str = "auto",
     ):
         self.token = token
         self.prefix_budget_bytes = prefix_budget_bytes
@@ -116,6 +118,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.cache_budget_bytes = cache_budget_bytes
         self.idle_timeout_s = idle_timeout_s
         self.worker = MLXWorker(spin_s)
+        # The doorbell of the steps built ahead (cluster.decode.doorbell), one for every
+        # shard this node loads.
+        self.doorbell = doorbell.for_setting(build_ahead)
         self.subscribers = Subscribers()
         self.stage: Stage | None = None
         self.shard_request: pb.LoadShardRequest | None = None
@@ -199,6 +204,7 @@ class NodeService(pb_grpc.NodeServicer):
                 tls=self.tls,
                 epoch=request.epoch,
                 micro_batches=request.micro_batches,
+                doorbell=self.doorbell,
             )
             self.shard_request = request
             self.shard_loads += 1
@@ -352,6 +358,8 @@ class NodeService(pb_grpc.NodeServicer):
             info.steps_total = stats.messages_in
             info.step_latency_ms = stats.mean_latency_ms
             info.step_phases.CopyFrom(stats.mean_phases())
+            info.steps_ahead_used = runner.steps_ahead_used
+            info.steps_ahead_undone = runner.steps_ahead_undone
             info.positions_computed = runner.positions_computed
             info.prefix_snapshots = len(runner.snapshots)
             info.prefix_snapshot_bytes = runner.snapshots.nbytes
@@ -386,9 +394,11 @@ async def serve(
     weights_store: WeightsStore | None = None,
     prefix_budget_bytes: int | None = None,
     spin_s: float | None = None,
+    build_ahead: str = "auto",
 ) -> None:
     """Run a node until cancelled. `spin_s`: how long its MLX thread stays awake for the next
-    step (`MLXWorker`; None: the backend's default)."""
+    step (`MLXWorker`; None: the backend's default); `build_ahead`: whether it builds its next
+    step before the step's message comes (`cluster.decode.doorbell.for_setting`)."""
     node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
     service = NodeService(
         token=token,
@@ -399,6 +409,7 @@ async def serve(
         weights_store=weights_store,
         prefix_budget_bytes=prefix_budget_bytes,
         spin_s=spin_s,
+        build_ahead=build_ahead,
     )
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
@@ -524,6 +535,14 @@ async def serve(
     help="How long the MLX thread stays awake after a step for the next one, in ms "
     f"[default: {GPU_SPIN_S * 1e3:.0f} on a GPU, 0 on the CPU backend].",
 )
+@click.option(
+    "--build-ahead",
+    type=click.Choice(doorbell.BUILD_AHEAD_SETTINGS),
+    default="auto",
+    show_default=True,
+    help="Build (on CUDA, launch) the next decode step before its message arrives: auto is "
+    "on with MLX CUDA only; on also builds ahead on the CPU and Metal.",
+)
 def node_command(
     host: str,
     port: int,
@@ -540,6 +559,7 @@ def node_command(
     cache_dir: Path | None,
     cache_cap_gb: float | None,
     spin_ms: float | None,
+    build_ahead: str,
 ) -> None:
     """Run a node daemon that serves one shard of a model."""
     if token_file is not None:
@@ -585,6 +605,7 @@ def node_command(
                 weights_store=store,
                 prefix_budget_bytes=prefix_budget,
                 spin_s=spin_ms / 1e3 if spin_ms is not None else None,
+                build_ahead=build_ahead,
             )
         )
     except KeyboardInterrupt:

@@ -16,20 +16,25 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import grpc
 import mlx.core as mx
+import numpy as np
 
+from cluster.decode.doorbell import Doorbell
 from cluster.decode.pipeline import take_batch
-from cluster.decode.runner import CacheBudgetError, ShardRunner
+from cluster.decode.runner import CacheBudgetError, ShardRunner, without_tokens
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
 from cluster.wire import (
     WireError,
+    dtype_name,
     results_to_proto,
     step_batch_bytes,
     step_batch_from_proto,
+    step_entries_from_proto,
 )
 from node.auth import TLSConfig, open_channel, token_metadata
 from node.hop import split_host_port
@@ -236,6 +241,12 @@ class Downstream:
         self._call = self._channel = self._link = None
 
 
+def _log_build_failure(built: Future) -> None:
+    """A step built ahead that failed left the caches as they were; its batch runs anyway."""
+    if not built.cancelled() and built.exception() is not None:
+        log.warning("building the next step ahead failed", exc_info=built.exception())
+
+
 class Stage:
     def __init__(
         self,
@@ -249,6 +260,7 @@ class Stage:
         max_batch_positions: int = 4096,
         epoch: int = 0,
         micro_batches: int = 1,
+        doorbell: Doorbell | None = None,
     ):
         # The driver's placement this stage serves: a message of another epoch (from a node
         # that hung and woke up with an old placement's work) is refused, never computed.
@@ -264,6 +276,12 @@ class Stage:
         # groups follow one another through the nodes (LoadShardRequest.micro_batches).
         self.micro_batches = micro_batches if runner.spec.is_head and next_node else 1
         self.stats = StageStats()
+        # Where a batch of plain decode steps ran, the batch after it is built ahead on the
+        # doorbell (cluster.decode.doorbell), which the next batch's message rings.
+        self.doorbell = doorbell
+        self._expected: list[StepRequest] = []  # the steps built ahead, tokens zeroed
+        if doorbell is not None:
+            worker.before_submit = self._release_doorbell
         self._inbound: deque[_Inbound] = deque()
         self._wakeup = asyncio.Event()
         self._event_loop = asyncio.get_running_loop()
@@ -287,6 +305,9 @@ class Stage:
     async def close(self) -> None:
         self._task.cancel()
         self._inbound.clear()
+        if self.doorbell is not None:
+            self._release_doorbell()
+            self.worker.before_submit = None
         if self.downstream:
             await self.downstream.close()
         if self.hop_probe:
@@ -328,8 +349,10 @@ class Stage:
 
     async def _process(self, batch: list[_Inbound]) -> None:
         clock = _Clock(arrived=min(item.arrived for item in batch))
+        if self.doorbell is not None and self.doorbell.pending is not None:
+            self.doorbell.ring(self._doorbell_input(batch))
         clock.started = time.perf_counter()
-        output, errors, dropped = await self.worker.run(self._compute, batch, clock)
+        output, errors, dropped, successors = await self.worker.run(self._compute, batch, clock)
         clock.returned = time.perf_counter()
         elapsed = clock.returned - clock.started
         self.stats.latencies_ms.append(elapsed * 1000)
@@ -346,11 +369,54 @@ class Stage:
                 self.subscribers.publish(output)
             else:
                 await self._forward(output)
+            if successors:
+                self._build_ahead(successors)
         finally:
             clock.sent = time.perf_counter()
             if all(e.draft_len + 1 == len(e.tokens) for i in batch for e in i.message.entries):
                 # Decode batches only: a prefill chunk's time would bend a token's figures.
                 self.stats.phases_ms.append(clock.phases_ms())
+
+    def _build_ahead(self, successors: list[StepRequest]) -> None:
+        """Build (on CUDA, launch) the batch expected next on the doorbell; the MLX thread
+        may stay in it until the next message rings the doorbell."""
+        nbytes = self.runner.input_nbytes(successors)
+        if nbytes is None or self.doorbell.pending is not None:
+            return
+        seq = self.doorbell.prepare(nbytes)
+        built = self.worker.submit(self.runner.build_ahead, successors, self.doorbell, seq)
+        built.add_done_callback(_log_build_failure)
+        self._expected = successors
+        self.doorbell.arm(seq)  # after the submission, which would release it
+
+    def _release_doorbell(self) -> None:
+        if self.doorbell.pending is not None:
+            self.doorbell.ring(None)
+
+    def _doorbell_input(self, batch: list[_Inbound]) -> bytes | None:
+        """The input of the steps built ahead, if `batch` is them: the head's token ids, or
+        the hidden states every message carries, in order. None for anything else (the
+        runner then undoes what was built and runs the batch as it came)."""
+        try:
+            entries = [e for item in batch for e in step_entries_from_proto(item.message)]
+        except (WireError, RequestError):
+            return None
+        if [without_tokens(e) for e in entries] != self._expected:
+            return None
+        if self.runner.spec.is_head:
+            tokens = [e.tokens[0] for e in entries]
+            if not all(0 <= t < self.runner.shard.vocab_size for t in tokens):
+                return None  # refused by the runner, with its error
+            return np.array(tokens, dtype=np.uint32).tobytes()
+        dtype, width = dtype_name(self.runner.hidden_dtype), self.runner.shard.hidden_size
+        parts = []
+        for item in batch:
+            hidden, n = item.message.hidden, len(item.message.entries)
+            if hidden.dtype != dtype or list(hidden.shape) != [1, n, width]:
+                return None
+            parts.append(hidden.data)
+        data = b"".join(parts)
+        return data if len(data) == self.runner.input_nbytes(entries) else None
 
     async def _forward(self, output: _Forward) -> None:
         try:
@@ -364,9 +430,15 @@ class Stage:
 
     def _compute(
         self, batch: list[_Inbound], clock: _Clock
-    ) -> tuple[_Forward | pb.ResultBatch | None, list[tuple[str, grpc.StatusCode, str]], list[int]]:
+    ) -> tuple[
+        _Forward | pb.ResultBatch | None,
+        list[tuple[str, grpc.StatusCode, str]],
+        list[int],
+        list[StepRequest] | None,
+    ]:
         """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
-        the shard no longer holds. Marks `clock` at each part's end."""
+        the shard no longer holds, and the steps to build ahead (`plain_successors`, where
+        the stage has a doorbell). Marks `clock` at each part's end."""
         clock.computing = time.perf_counter()
         errors: list[tuple[str, grpc.StatusCode, str]] = []
         steps: list[StepRequest] = []
@@ -386,7 +458,7 @@ class Stage:
             if h is not None:
                 hidden.append(h)
         if not steps:
-            return None, errors, []
+            return None, errors, [], None
         x = None
         if hidden:
             x = hidden[0] if len(hidden) == 1 else mx.concatenate(hidden, axis=1)
@@ -398,14 +470,17 @@ class Stage:
             self.runner.release(rid)
         dropped = out.prefix_dropped
         if not out.steps:
-            return None, errors, dropped
+            return None, errors, dropped, None
         if out.hidden is None:
             encoded = results_to_proto(out.results, [], self.epoch)
         else:
             payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
             encoded = _Forward(payload, [step.request_id for step in out.steps])
         clock.computed = time.perf_counter()
-        return encoded, errors, dropped
+        successors = None
+        if self.doorbell is not None and not errors:
+            successors = self.runner.plain_successors(out.steps)
+        return encoded, errors, dropped, successors
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

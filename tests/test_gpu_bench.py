@@ -56,13 +56,13 @@ def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     batch."""
     stdout, report = _tiny_run(
         tmp_path, "--skip", "single,pipeline,nodes,mlx_lm", "--rounds", "1", "--off-pairs", "2",
-        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", "--node-spin-ms", "5",
+        "--paired-nodes", "2", "--tokens", "8", "--concurrent", "2", "--node-sets", "--spin-ms 5",
         "--driver-streams", "tcp,grpc", *BF16,
     )  # fmt: skip
     paired = report["paired"]
     # Two node sets, each its ratio.
     row = paired["rounds"][0]
-    tcp, grpc = "spin 5 ms, driver over tcp", "spin 5 ms, driver over grpc"
+    tcp, grpc = "--spin-ms 5, driver over tcp", "--spin-ms 5, driver over grpc"
     assert set(row["by_set"]) == {tcp, grpc}
     assert row["nodes_off_pairs"] == row["by_set"][tcp]["nodes_off_pairs"]
     for spun in paired["by_set"].values():
@@ -133,7 +133,8 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--node-spin-ms", "0,-5"], "--node-spin-ms takes windows >= 0"),
+        (["--node-sets", "--spin-ms 0;--build-ahead sometimes"], "invalid choice: 'sometimes'"),
+        (["--node-sets", ";--spin-ms 5 --warp 9"], "unknown settings ['--warp', '9']"),
         (["--driver-streams", "tcp,udp"], "--driver-streams takes tcp and grpc, not ['udp']"),
     ],
 )

@@ -1,7 +1,9 @@
 """The pipeline across real node processes on loopback gives the single-process engine's tokens.
 
 One trio of `cluster node` processes serves the whole module; each test loads the layout it
-needs with LoadShard. The reference is the engine of `cluster.local` in this process.
+needs with LoadShard. The reference is the engine of `cluster.local` in this process. The
+nodes build their plain decode steps ahead (`--build-ahead on`: on the CPU, on a
+`HostDoorbell`), as they do on CUDA by default.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ NUM_LAYERS = 8  # the bundled model's
 
 @pytest.fixture(scope="module")
 def trio(node_factory) -> NodeGroup:
-    return node_factory(3)
+    return node_factory(3, args=lambda _: ["--build-ahead", "on"])
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,8 @@ def test_nodes_give_the_single_process_tokens(count, trio, model_dir, prompts, r
         phases = info.step_phases
         assert phases.layers_ms > 0 and phases.handoff_ms > 0 and phases.send_ms > 0
         assert min(phases.queued_ms, phases.decode_ms, phases.encode_ms) >= 0
+        # MTP off, each node ran most decode steps from the step it had built ahead.
+        assert info.steps_ahead_used >= len(prompts) * (MAX_TOKENS - 8)
     _assert_same(outputs[False], reference[False])
     _assert_same(outputs[True], reference[True])
     assert all(o.drafted == 0 for o in outputs[False])

@@ -42,6 +42,7 @@ import os
 import random
 import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
-from cluster.bench.oracle_node import install_oracle, remove_oracle
+from cluster.bench.oracle_node import add_node_options, install_oracle, remove_oracle
 from cluster.bench.random_checkpoint import SHAPES, bench_prompt, default_dir, write_checkpoint
 from cluster.bench.split_step import idle_steps, split_steps
 from cluster.config import ModelConfig, load_model_config
@@ -876,11 +877,11 @@ async def _warm_up(engine: GenerationEngine, prompt: tuple[int, ...]) -> None:
 
 @contextlib.asynccontextmanager
 async def node_processes(
-    args, nodes: int, log: list[str], spin_ms: float | None = None
+    args, nodes: int, log: list[str], node_options: str = ""
 ) -> AsyncIterator[tuple[list[str], str]]:
-    """`nodes` oracle node processes on loopback (node i on GPU i % --gpus), their MLX threads
-    awake `spin_ms` after each step (None: the nodes' default); yields their addresses and
-    token, and stops them on the way out."""
+    """`nodes` oracle node processes on loopback (node i on GPU i % --gpus), with the
+    `cluster node` settings `node_options` (a `--node-sets` entry); yields their addresses
+    and token, and stops them on the way out."""
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(nodes)]
     procs: list[asyncio.subprocess.Process] = []
@@ -894,7 +895,7 @@ async def node_processes(
                 *[sys.executable, "-m", "cluster.bench.oracle_node", "--host", "127.0.0.1"],
                 *["--port", str(port), "--token", token, "--accept-rate", str(args.node_alpha)],
                 *["--node-id", f"bench-{i}", "--cache-limit-gb", "2"],
-                *(["--spin-ms", str(spin_ms)] if spin_ms is not None else []),
+                *shlex.split(node_options),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 cwd=REPO,
@@ -1021,11 +1022,11 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         lm = await worker.run(mlx_lm_load, path)
         await worker.run(mlx_lm_run, *lm, prompt, 16)
         await _warm_up(local, prompt)
-        # One set of node processes per `--node-spin-ms` value and `--driver-streams` kind (the
+        # One set of node processes per `--node-sets` entry and `--driver-streams` kind (the
         # first is the one reported as "the nodes"), all loaded at once and alternated in each
         # round.
-        spins = (args.node_spin_ms or [None]) if args.paired_nodes else []
-        settings = [(spin, streams) for spin in spins for streams in args.driver_streams]
+        node_sets = args.node_sets if args.paired_nodes else []
+        settings = [(opts, streams) for opts in node_sets for streams in args.driver_streams]
         # The first set stays for the concurrent requests; the others are stopped before them,
         # since every set's shards take GPU memory (two sets, the one process and mlx-lm ran a
         # 27B 4-bit GPU out of memory there).
@@ -1033,17 +1034,17 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
             async with contextlib.AsyncExitStack() as other_sets:
                 started = [
                     await (first_set if k == 0 else other_sets).enter_async_context(
-                        node_processes(args, args.paired_nodes, log, spin)
+                        node_processes(args, args.paired_nodes, log, opts)
                     )
-                    for k, (spin, _) in enumerate(settings)
+                    for k, (opts, _) in enumerate(settings)
                 ]
                 remotes: dict[str, Any] = {}
                 try:
-                    for (spin, streams), (addresses, token) in zip(settings, started, strict=True):
+                    for (opts, streams), (addresses, token) in zip(settings, started, strict=True):
                         remote = await open_remote_engine(
                             path, addresses, token=token, links=streams == "tcp"
                         )
-                        remotes[_set_name(spin, streams, args.driver_streams)] = remote
+                        remotes[_set_name(opts, streams, args.driver_streams)] = remote
                         await _warm_up(remote.engine, prompt)
                     for i in range(args.rounds):
                         row = await _paired_round(args, worker, runner, local, remotes, prompt, lm)
@@ -1105,6 +1106,7 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
         "outside_steps": median([t - n for t, n in zip(token_ms, steps_ms, strict=True)]),
         "one_process_step": median([r["local_step_ms"] for r in rounds]),
     }
+    out["node_steps_ahead"] = rounds[-1]["node_steps_ahead"]
     out["node_phases_ms"] = [
         {
             name: median([r["node_phases_ms"][k].get(name, 0.0) for r in rounds])
@@ -1129,19 +1131,21 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
                     )
                     for k in range(args.paired_nodes)
                 ],
+                "node_steps_ahead": rounds[-1]["by_set"][name]["node_steps_ahead"],
             }
             for name in rounds[0]["by_set"]
         }
 
 
-def _set_name(spin_ms: float | None, streams: str, kinds: list[str]) -> str:
-    """A node set's name: its `--spin-ms`, and its driver's streams where they vary."""
-    name = "default" if spin_ms is None else f"spin {spin_ms:g} ms"
+def _set_name(node_options: str, streams: str, kinds: list[str]) -> str:
+    """A node set's name: its node options, and its driver's streams where they vary."""
+    name = node_options.strip() or "default"
     return name if len(kinds) == 1 else f"{name}, driver over {streams}"
 
 
 async def _node_steps(remote: Any) -> dict[str, list]:
-    """Each node's step phases and step (ms) over its last decode."""
+    """Each node's step phases and step (ms) over its last decode, and its decode steps built
+    ahead so far, used and undone."""
     infos = [await c.info() for c in remote.pipeline.clients]
     phases = [step_phases_ms(info) for info in infos]
     return {
@@ -1149,6 +1153,7 @@ async def _node_steps(remote: Any) -> dict[str, list]:
         "node_step_ms": [
             sum(p[name] for name in ("handoff", "decode", "layers", "encode")) for p in phases
         ],
+        "node_steps_ahead": [[i.steps_ahead_used, i.steps_ahead_undone] for i in infos],
     }
 
 
@@ -1727,13 +1732,18 @@ def summarize(report: dict) -> None:
             )
             for k, phases in enumerate(paired_out["node_phases_ms"]):
                 parts = ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items())
-                lines.append(f"  node {k} step phases, ms: {parts}")
+                used, undone = paired_out["node_steps_ahead"][k]
+                lines.append(
+                    f"  node {k} step phases, ms: {parts}; steps built ahead used {used}, "
+                    f"undone {undone}"
+                )
             for name, spun in paired_out.get("by_set", {}).items():
                 s["paired"].setdefault("by_set", {})[name] = spun
                 lines.append(
                     f"  node set {name}: MTP off / one process "
                     f"{spun['nodes_off_over_one_process']:.2f}x, node step / its share "
-                    f"{_fmt(spun['node_step_over_share'])}"
+                    f"{_fmt(spun['node_step_over_share'])}, steps built ahead (used, undone) "
+                    f"{spun['node_steps_ahead']}"
                 )
         if c := paired_out.get("concurrent"):
             s["paired"]["concurrent_one_process_over_one_request"] = c[
@@ -1831,11 +1841,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="node processes of the side-by-side phase (0: one process and mlx-lm only)",
     )
     parser.add_argument(
-        "--node-spin-ms",
-        type=lambda s: [float(v) for v in s.split(",")],
-        default=None,
-        help="side by side, one node set per value of `cluster node --spin-ms`, alternated "
-        "(the first reported as the nodes) [default: one set at the nodes' default]",
+        "--node-sets",
+        type=lambda s: s.split(";"),
+        default=[""],
+        help="side by side, one node set per ';'-separated entry of `cluster node` settings "
+        "(--spin-ms, --build-ahead), alternated; the first is reported as the nodes, e.g. "
+        "'--build-ahead auto;--build-ahead off' [default: one set at the nodes' defaults]",
     )
     parser.add_argument(
         "--driver-streams",
@@ -1862,8 +1873,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.off_pairs < 1:
         parser.error("--off-pairs takes a number of alternations >= 1")
-    if args.node_spin_ms and min(args.node_spin_ms) < 0:
-        parser.error("--node-spin-ms takes windows >= 0 (ms)")
+    node_options = argparse.ArgumentParser(prog="--node-sets", add_help=False, exit_on_error=False)
+    add_node_options(node_options)
+    for entry in args.node_sets:
+        try:
+            _, unknown = node_options.parse_known_args(shlex.split(entry))
+        except (argparse.ArgumentError, ValueError) as error:
+            parser.error(f"--node-sets entry {entry!r}: {error}")
+        if unknown:
+            parser.error(f"--node-sets entry {entry!r}: unknown settings {unknown}")
     if unknown := set(args.driver_streams) - {"tcp", "grpc"}:
         parser.error(f"--driver-streams takes tcp and grpc, not {sorted(unknown)}")
     if args.interleave < 0:

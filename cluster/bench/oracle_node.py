@@ -25,6 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 import cluster.decode.tail
+from cluster.decode.doorbell import BUILD_AHEAD_SETTINGS
 from cluster.decode.verify import Candidates
 
 Propose = Callable[..., Candidates]
@@ -60,6 +61,17 @@ def remove_oracle(previous: Propose) -> None:
     cluster.decode.tail.propose = previous
 
 
+def add_node_options(parser: argparse.ArgumentParser) -> None:
+    """The `cluster node` settings this node takes too (a benchmark's node sets vary them)."""
+    parser.add_argument("--spin-ms", type=float, default=None, help="as `cluster node --spin-ms`")
+    parser.add_argument(
+        "--build-ahead",
+        choices=BUILD_AHEAD_SETTINGS,
+        default="auto",
+        help="as `cluster node --build-ahead`",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m cluster.bench.oracle_node", description=__doc__
@@ -73,8 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cache-limit-gb", type=float, default=None, help="cap MLX's buffer cache (GiB)"
     )
-    parser.add_argument("--spin-ms", type=float, default=None, help="as `cluster node --spin-ms`")
+    add_node_options(parser)
     args = parser.parse_args(argv)
+    if args.spin_ms is not None and args.spin_ms < 0:
+        parser.error("--spin-ms must be >= 0")
     if args.cache_limit_gb is not None:
         mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     install_oracle(args.accept_rate, args.seed)
@@ -90,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 node_id=args.node_id,
                 advertise=False,
                 spin_s=spin_s,
+                build_ahead=args.build_ahead,
             )
         )
 

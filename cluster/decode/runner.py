@@ -14,6 +14,11 @@ step is the one built, its results are already under way; anything else (a stop,
 that joined or left, a rollback or a release) first undoes the step built ahead, from a mark
 of each request's caches taken before it, so every step sees exactly the caches it would have.
 
+A node of a pipeline knows its requests' next step but not its input, which another process
+sends: where every request of a batch decodes one token a step, it builds (and on CUDA
+launches) the batch after it on a doorbell (cluster.decode.doorbell) that the node rings with
+the input when the step's message arrives (`plain_successors`, `build_ahead`).
+
 With MTP (greedy, one draft a step) the next step is [the last token emitted, the draft], and
 it starts where the verdict on this step's draft leaves the caches: that verdict too is still
 on the device. The caches take it there (`cluster.model.cache.defer_verdicts`: the
@@ -24,6 +29,7 @@ it they are resolved to the positions it kept. Where that pays is measured per b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from cluster.decode.doorbell import Doorbell
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
 from cluster.decode.step_cost import StepCost
 from cluster.decode.tail import NextInput, Tail, TailJob, TailMark, TailRequest
@@ -90,17 +97,36 @@ class _Ahead:
     """A batch built and launched before it was asked for: each request's next step, fed the
     tokens its last step emits. `steps` hold those tokens once they are read; `marks` and
     `tail_marks` are the requests' caches from before this batch, to undo it; `undecided`,
-    each request's drafts in its last step, whose verdict this batch took on the device."""
+    each request's drafts in its last step, whose verdict this batch took on the device.
+    Built on a doorbell (a node's next step), `steps` are the expected steps with their
+    tokens zeroed, `seq` what the doorbell waits for, and `hidden` a non-tail shard's output."""
 
     runnable: list[Runnable]
     jobs: list[TailJob]
     marks: list[CacheMark]
-    tail_marks: list[TailMark]
+    tail_marks: list[TailMark | None]  # None: a shard without the tail
     undecided: list[int]
     steps: list[StepRequest] = field(default_factory=list)
+    doorbell: Doorbell | None = None
+    seq: int = 0
+    hidden: mx.array | None = None
+
+    def matches(self, steps: list[StepRequest]) -> bool:
+        """Whether `steps` is the batch built: on a doorbell, the same steps but for their
+        tokens, whose input the doorbell was rung with."""
+        if self.doorbell is None:
+            return self.steps == steps
+        delivered = self.doorbell.delivered(self.seq)
+        return delivered and [without_tokens(s) for s in steps] == self.steps
 
     def holds(self, request_id: str | None) -> bool:
         return request_id is None or any(s.request_id == request_id for _, s, _ in self.runnable)
+
+
+def without_tokens(step: StepRequest) -> StepRequest:
+    """The step with its tokens zeroed: what a node knows of its next step in advance
+    (`ShardRunner.plain_successors`)."""
+    return dataclasses.replace(step, tokens=(0,) * len(step.tokens))
 
 
 class ShardRunner:
@@ -138,15 +164,16 @@ class ShardRunner:
         self._kv_bytes_per_position = self._kv_position_bytes()
         self.snapshots = SnapshotStore(prefix_budget_bytes)
         self.positions_computed = 0  # by this shard's layers, over every step
+        self._hidden_dtype: mx.Dtype | None = None  # of the hidden states this shard takes
 
     # -- the per-step path ------------------------------------------------------------------
 
     def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
         started = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.steps == steps:
+        if ahead is not None and ahead.matches(steps):
             self.steps_ahead_used += 1
-            output = self._run_ahead(ahead)
+            output = self._run_ahead(ahead, steps)
         else:
             if ahead is not None:
                 self._undo(ahead)
@@ -180,6 +207,7 @@ class ShardRunner:
             if hidden.shape[1] != start:
                 raise RequestError(f"hidden states hold {hidden.shape[1]} positions, steps {start}")
             x = hidden if len(ran) == len(steps) else self._rows(hidden, runnable)
+            self._hidden_dtype = hidden.dtype
         segments = []
         for _, step, state in runnable:
             state.cache.begin_step(step.rollback, len(step.tokens))
@@ -294,16 +322,106 @@ class ShardRunner:
                 ahead.tail_marks[i] = ahead.tail_marks[i].trimmed(drop)
         return ahead
 
-    def _run_ahead(self, ahead: _Ahead) -> BatchOutput:
+    def _run_ahead(self, ahead: _Ahead, steps: list[StepRequest]) -> BatchOutput:
         """The batch built ahead, now asked for: conclude it (building the one after)."""
+        if ahead.doorbell is not None:
+            ahead.steps = steps  # the tokens the doorbell was rung with
         runnable = []
         now = time.monotonic()
-        for (row, _, state), step, job in zip(ahead.runnable, ahead.steps, ahead.jobs, strict=True):
-            job.step = step  # the tokens and position, read since
+        for i, ((row, _, state), step) in enumerate(zip(ahead.runnable, ahead.steps, strict=True)):
+            if ahead.jobs:
+                ahead.jobs[i].step = step  # the tokens and position, read since
             state.last_used = now
             runnable.append((row, step, state))
             self.positions_computed += len(step.tokens)
+        if self.tail is None:
+            mx.eval(ahead.hidden)
+            return BatchOutput([step for _, step, _ in runnable], hidden=ahead.hidden)
         return self._conclude(runnable, ahead.jobs, {})
+
+    # -- a node's next step, built on a doorbell -------------------------------------------
+
+    def plain_successors(self, steps: list[StepRequest]) -> list[StepRequest] | None:
+        """The batch expected after `steps` (tokens zeroed), where a node can build it ahead:
+        `steps` held every request of this shard, each decoding one token with nothing else
+        asked (no drafts, rollback, masks, snapshots or MTP head), so the next batch is likely
+        the same requests one position on. None elsewhere: with micro-batches or MTP the next
+        batch differs, and a batch built for nothing costs the device a step; and on a shard
+        that builds ahead on its own tokens (`lookahead`)."""
+        if self.lookahead or not steps or len(steps) != len(self.requests):
+            return None
+        successors = []
+        for step in steps:
+            state = self.requests.get(step.request_id)
+            plain = StepRequest(step.request_id, (0,), step.position)
+            if state is None or without_tokens(step) != plain:
+                return None
+            if state.tail is not None and state.tail.mtp_cache is not None:
+                return None
+            successors.append(StepRequest(step.request_id, (0,), step.position + 1))
+        return successors
+
+    def input_nbytes(self, steps: list[StepRequest]) -> int | None:
+        """The bytes of a doorbell's input for `steps`: token ids at the head, hidden states
+        elsewhere (None before this shard has seen any)."""
+        if self.spec.is_head:
+            return 4 * len(steps)
+        if self._hidden_dtype is None:
+            return None
+        return len(steps) * self.shard.hidden_size * self._hidden_dtype.size
+
+    @property
+    def hidden_dtype(self) -> mx.Dtype | None:
+        return self._hidden_dtype
+
+    def build_ahead(self, steps: list[StepRequest], doorbell: Doorbell, seq: int) -> bool:
+        """Build `steps` (from `plain_successors`) on `doorbell`'s input `seq`, and where the
+        doorbell allows, launch them: `run` uses them if the node rings the doorbell with the
+        input of the same steps; anything else undoes them. False where nothing was built."""
+        self.settle()
+        states = [self.requests.get(step.request_id) for step in steps]
+        for state, step in zip(states, steps, strict=True):
+            if state is None or state.cache.position != step.position:
+                return False
+        try:
+            for state in states:
+                self._check_budget(state, 1)
+        except CacheBudgetError:
+            return False
+        if not self.spec.is_head and self._hidden_dtype is None:
+            return False
+        marks = [state.cache.mark() for state in states]
+        tail_marks = [state.tail.mark() if state.tail else None for state in states]
+        launch = doorbell.launches_ahead
+        try:
+            if self.spec.is_head:
+                x = self.shard.embed(doorbell.input(seq, (len(steps),), mx.uint32)[None])
+            else:
+                shape = (1, len(steps), self.shard.hidden_size)
+                x = doorbell.input(seq, shape, self._hidden_dtype)
+            segments = []
+            for state in states:
+                state.cache.begin_step(0, 1)
+                segments.append(Segment(state.cache, 1, 1))
+            out = self.shard(x, segments, launch=launch)
+            jobs: list[TailJob] = []
+            if self.tail is not None:
+                tails = [state.tail for state in states]
+                jobs = self.tail.launch(steps, tails, out, start=launch)
+            elif launch:
+                mx.async_eval(out)
+        except BaseException:
+            for state, mark, tail_mark in zip(states, marks, tail_marks, strict=True):
+                state.cache.restore(mark)
+                if tail_mark is not None:
+                    state.tail.restore(tail_mark)
+            raise
+        runnable = list(zip(range(len(steps)), steps, states, strict=True))
+        self._ahead = _Ahead(
+            runnable, jobs, marks, tail_marks, [0] * len(steps), steps=steps,
+            doorbell=doorbell, seq=seq, hidden=None if self.tail is not None else out,
+        )  # fmt: skip
+        return True
 
     def _undo(self, ahead: _Ahead) -> None:
         """Take back a batch built ahead that was not asked for: the caches as before it."""
@@ -312,7 +430,8 @@ class ShardRunner:
             ahead.runnable, ahead.marks, ahead.tail_marks, strict=True
         ):
             state.cache.restore(mark)
-            state.tail.restore(tail_mark)
+            if tail_mark is not None:
+                state.tail.restore(tail_mark)
 
     def settle(self, request_id: str | None = None) -> None:
         """Undo the batch built ahead if it holds `request_id` (None: whatever it holds):

@@ -216,11 +216,14 @@ class Tail:
         states: list[TailRequest],
         hidden: mx.array,
         inputs: list[mx.array] | None = None,
+        *,
+        start: bool = True,
     ) -> list[TailJob]:
-        """Build the step's tail work lazily (tokens, verdicts, the next drafts) and start
-        the device on it; `conclude` reads it. Between the two, the caller may build more
-        work on the lazy tokens (`next_input`): the runner's step built ahead, whose tokens
-        are `inputs` (the `steps` hold placeholders until they are read)."""
+        """Build the step's tail work lazily (tokens, verdicts, the next drafts) and, unless
+        not to `start` (its input is not there yet), start the device on it; `conclude` reads
+        it. Between the two, the caller may build more work on the lazy tokens
+        (`next_input`): the runner's step built ahead, whose tokens are `inputs` (the `steps`
+        hold placeholders until they are read)."""
         normed = self.shard.norm(hidden)
         mtp_input = hidden if self.mtp_reads_prenorm else normed
         offsets = itertools.accumulate((len(s.tokens) for s in steps), initial=0)
@@ -239,7 +242,8 @@ class Tail:
             job.state.discard_speculative()
             self._pair(job, mtp_input)
         self._draft([j for j in mtp_jobs if j.mtp_tokens is not None])
-        mx.async_eval([a for job in jobs for a in job.arrays()])
+        if start:
+            mx.async_eval([a for job in jobs for a in job.arrays()])
         return jobs
 
     def conclude(self, jobs: list[TailJob]) -> list[StepResult]:

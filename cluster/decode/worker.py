@@ -61,6 +61,10 @@ class MLXWorker:
         self.spin_s = default_spin_s() if spin_s is None else spin_s
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._closed = False
+        # Called before each job is queued, on the submitting thread: a node's stage releases
+        # its doorbell there (cluster.decode.doorbell), since a step launched behind it may
+        # hold this thread until it is rung.
+        self.before_submit: Callable[[], None] | None = None
         threading.Thread(target=self._serve, name="mlx", daemon=True).start()
         atexit.register(self._drain)
 
@@ -84,6 +88,8 @@ class MLXWorker:
     def submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> Future[T]:
         if self._closed:
             raise RuntimeError("the MLX worker is closed")
+        if self.before_submit is not None:
+            self.before_submit()
         future: Future[T] = Future()
         self._jobs.put((functools.partial(fn, *args, **kwargs), future))
         return future

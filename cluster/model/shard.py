@@ -101,7 +101,9 @@ class ModelShard(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
-    def __call__(self, x: mx.array, segments: list[Segment]) -> mx.array:
+    def __call__(self, x: mx.array, segments: list[Segment], *, launch: bool = True) -> mx.array:
+        """The layers over `x` [1, L, hidden]; unless not to `launch` (`x` is not there yet:
+        cluster.decode.doorbell), the device starts on them as they are built."""
         length = x.shape[1]
         if self.pads_rows:  # a short step's dense layers run on the rows matmuls run cheapest
             x = row_padding.pad_rows(x, row_padding.padded_rows(length))
@@ -110,7 +112,7 @@ class ModelShard(nn.Module):
         )
         for slot, layer in enumerate(self.layers):
             x = layer(x, segments, slot)
-            if slot in starts:
+            if launch and slot in starts:
                 # Start the device on the layers built so far while Python builds the rest:
                 # building a step's graph is milliseconds that the device would otherwise idle.
                 mx.async_eval(x)

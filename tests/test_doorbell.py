@@ -1,0 +1,199 @@
+"""A node's next step built on a doorbell (`ShardRunner.build_ahead`): a head and a tail
+shard in one process, stepped as two nodes step them (each on its own MLX thread, rung from
+this one), must emit the tokens of the same shards stepped without it, and a step built ahead
+that the node does not get must leave no trace. The doorbell is the one `cluster node
+--build-ahead on` takes: on the CPU a `HostDoorbell` (built ahead, evaluated after the ring),
+on MLX CUDA a `PinnedDoorbell` (launched before the input exists)."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import CODE_PROMPTS
+from test_rollback import _layer_arrays
+
+from cluster.decode.doorbell import PinnedDoorbell, for_setting
+from cluster.decode.runner import ShardRunner
+from cluster.decode.worker import MLXWorker
+from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from cluster.model.loading import load_shard
+from cluster.model.shard import ShardSpec
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def shards(model_dir):
+    layers = load_shard(model_dir, for_decoding=True).spec.end
+    head_spec = ShardSpec(0, layers // 2, is_head=True, is_tail=False)
+    tail_spec = ShardSpec(layers // 2, layers, is_head=False, is_tail=True)
+    head = load_shard(model_dir, head_spec, for_decoding=True)
+    tail = load_shard(model_dir, tail_spec, mtp=False, for_decoding=True)
+    return head, tail
+
+
+def _hidden_bytes(hidden: mx.array) -> bytes:
+    return bytes(memoryview(hidden))
+
+
+class TwoNodes:
+    """A head runner and a tail runner, each with its own MLX thread and doorbell (or none),
+    stepped as the node stages step them: after each plain batch the next one is built on the
+    doorbell, which the step's input rings when it comes."""
+
+    def __init__(self, shards, doorbells: bool):
+        head, tail = shards
+        self.workers = [MLXWorker(spin_s=0), MLXWorker(spin_s=0)]
+        self.runners = [ShardRunner(head), ShardRunner(tail)]
+        self.doorbells = [for_setting("on"), for_setting("on")] if doorbells else [None, None]
+        self.built = [0, 0]
+
+    def step(self, steps: list[StepRequest]) -> list:
+        out = self._run(0, steps, None, self._tokens(steps))
+        return self._run(1, steps, out.hidden, _hidden_bytes(out.hidden)).results
+
+    @staticmethod
+    def _tokens(steps: list[StepRequest]) -> bytes:
+        return np.array([s.tokens[0] for s in steps], dtype=np.uint32).tobytes()
+
+    def _run(self, node: int, steps, hidden, data: bytes):
+        runner, doorbell, worker = self.runners[node], self.doorbells[node], self.workers[node]
+        if doorbell is not None and doorbell.pending is not None:
+            doorbell.ring(data if all(len(s.tokens) == 1 for s in steps) else None)
+        out = worker.call(runner.run, steps, hidden)
+        if doorbell is not None:
+            successors = worker.call(runner.plain_successors, out.steps)
+            if successors is not None:
+                seq = doorbell.prepare(runner.input_nbytes(successors))
+                worker.submit(runner.build_ahead, successors, doorbell, seq)
+                doorbell.arm(seq)
+                self.built[node] += 1
+        return out
+
+    def release(self, request_id: str) -> None:
+        nodes = zip(self.runners, self.doorbells, self.workers, strict=True)
+        for runner, doorbell, worker in nodes:
+            if doorbell is not None:
+                doorbell.ring(None)
+            worker.call(runner.release, request_id)
+
+    def caches(self, request_id: str) -> list[tuple[int, list[list[np.ndarray]]]]:
+        """Each node's caches of the request: its position and every layer's contents, read on
+        the node's own thread (its arrays live on that thread's stream)."""
+
+        def read(runner: ShardRunner) -> tuple[int, list[list[np.ndarray]]]:
+            cache = runner.requests[request_id].cache
+            return cache.position, [_layer_arrays(layer) for layer in cache.layers]
+
+        return [w.call(read, r) for w, r in zip(self.workers, self.runners, strict=True)]
+
+
+def _assert_same_caches(a: list, b: list) -> None:
+    for (position, layers), (position_b, layers_b) in zip(a, b, strict=True):
+        assert position == position_b
+        for x, y in zip(itertools.chain(*layers), itertools.chain(*layers_b), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def _decode(nodes: TwoNodes, prompts: dict[str, tuple[int, ...]], options) -> dict:
+    """Each prompt prefilled, then greedy steps of all requests together."""
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    positions = {}
+    for rid, prompt in prompts.items():
+        (result,) = nodes.step([StepRequest(rid, prompt, 0, options=options)])
+        out[rid].append(result.tokens[-1])
+        positions[rid] = len(prompt)
+    for _ in range(STEPS):
+        steps = [StepRequest(rid, (out[rid][-1],), positions[rid]) for rid in prompts]
+        for rid, result in zip(prompts, nodes.step(steps), strict=True):
+            out[rid].append(result.tokens[-1])
+            positions[rid] += 1
+    return out
+
+
+def test_steps_built_on_a_doorbell_emit_the_same_tokens(shards, tokenizer) -> None:
+    prompts = {f"r{i}": tuple(tokenizer.encode(p)) for i, p in enumerate(CODE_PROMPTS[:2])}
+    # One whose decoding crosses the attention caches' growth (every 256 positions).
+    prompts["long"] = tuple(tokenizer.encode("\n".join(CODE_PROMPTS) * 20))[: 256 - STEPS // 2]
+    for options in (
+        RequestOptions(mtp=False),
+        RequestOptions(SamplingParams(temperature=0.8, top_k=40, seed=3), mtp=False),
+    ):
+        plain = _decode(TwoNodes(shards, doorbells=False), prompts, options)
+        nodes = TwoNodes(shards, doorbells=True)
+        assert _decode(nodes, prompts, options) == plain
+        # Every decode batch after the first came from the doorbell, on both nodes.
+        for runner, built in zip(nodes.runners, nodes.built, strict=True):
+            assert runner.steps_ahead_used == STEPS - 1
+            assert built == STEPS  # the last batch's successor too
+
+
+def test_a_step_built_ahead_and_not_asked_for_leaves_no_trace(shards, tokenizer) -> None:
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
+    options = RequestOptions(mtp=False)
+    nodes = TwoNodes(shards, doorbells=True)
+    (first,) = nodes.step([StepRequest("a", prompt, 0, options=options)])
+    (second,) = nodes.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    reference = TwoNodes(shards, doorbells=False)
+    reference.step([StepRequest("a", prompt, 0, options=options)])
+    reference.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    # Another request joins: the batch differs, so the step built ahead is undone, the
+    # doorbell released, and both requests step as they would have.
+    steps = [
+        StepRequest("a", (second.tokens[-1],), len(prompt) + 1),
+        StepRequest("b", prompt[:5], 0, options=options),
+    ]
+    got = nodes.step(steps)
+    want = reference.step(steps)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.steps_ahead_undone for r in nodes.runners] == [1, 1]
+    _assert_same_caches(nodes.caches("a"), reference.caches("a"))
+    # A step with a draft (greedy: any draft verifies) is not the plain step built ahead.
+    nodes.release("b")
+    reference.release("b")
+    steps = [StepRequest("a", (got[0].tokens[-1],), len(prompt) + 2)]
+    assert [r.tokens for r in nodes.step(steps)] == [r.tokens for r in reference.step(steps)]
+    steps = [StepRequest("a", (5, 6), len(prompt) + 3, draft_len=1)]
+    assert [r.tokens for r in nodes.step(steps)] == [r.tokens for r in reference.step(steps)]
+    assert [r.steps_ahead_undone for r in nodes.runners] == [2, 2]
+    _assert_same_caches(nodes.caches("a"), reference.caches("a"))
+
+
+def test_a_doorbell_rung_without_data_is_not_used(shards, tokenizer) -> None:
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
+    options = RequestOptions(mtp=False)
+    nodes = TwoNodes(shards, doorbells=True)
+    (first,) = nodes.step([StepRequest("a", prompt, 0, options=options)])
+    (second,) = nodes.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    reference = TwoNodes(shards, doorbells=False)
+    reference.step([StepRequest("a", prompt, 0, options=options)])
+    reference.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    for doorbell in nodes.doorbells:
+        doorbell.ring(None)  # e.g. a release of another request reached the node first
+    steps = [StepRequest("a", (second.tokens[-1],), len(prompt) + 1)]
+    assert [r.tokens for r in nodes.step(steps)] == [r.tokens for r in reference.step(steps)]
+    assert [r.steps_ahead_undone for r in nodes.runners] == [1, 1]
+
+
+@pytest.mark.skipif(
+    not (mx.default_device() == mx.gpu and mx.cuda.is_available()), reason="MLX CUDA only"
+)
+def test_the_pinned_doorbell_launches_before_its_input_exists() -> None:
+    import threading
+    import time
+
+    doorbell = PinnedDoorbell()
+    seq = doorbell.prepare(12)
+    x = doorbell.input(seq, (3,), mx.uint32)
+    doorbell.arm(seq)
+    y = x * 2
+    mx.async_eval(y)
+    ring = threading.Timer(0.05, doorbell.ring, args=(np.array([1, 2, 3], np.uint32).tobytes(),))
+    started = time.perf_counter()
+    ring.start()
+    assert y.tolist() == [2, 4, 6]
+    assert time.perf_counter() - started >= 0.04
+    assert doorbell.delivered(seq)
