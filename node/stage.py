@@ -49,6 +49,10 @@ Reply = Callable[[pb.StepEvent], None]
 STEPS_METHOD = "/{}/Steps".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
 INFO_METHOD = "/{}/Info".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
 LINK_INFO_TIMEOUT_S = 10.0
+# How long a step built ahead waits for its message before the node releases it. On CUDA its
+# input kernel keeps the GPU busy while it waits, which slows other processes on the same GPU;
+# a pipeline's next step comes within a token's time (tens of ms at the 27B shape).
+AHEAD_WAIT_S = 0.1
 
 
 def status_of(error: Exception) -> grpc.StatusCode:
@@ -388,9 +392,11 @@ class Stage:
         built.add_done_callback(_log_build_failure)
         self._expected = successors
         self.doorbell.arm(seq)  # after the submission, which would release it
+        self._event_loop.call_later(AHEAD_WAIT_S, self._release_doorbell, seq)
 
-    def _release_doorbell(self) -> None:
-        if self.doorbell.pending is not None:
+    def _release_doorbell(self, seq: int | None = None) -> None:
+        """Release the step built ahead (`seq`: only if it is still that one)."""
+        if self.doorbell.pending is not None and seq in (None, self.doorbell.pending):
             self.doorbell.ring(None)
 
     def _doorbell_input(self, batch: list[_Inbound]) -> bytes | None:
