@@ -140,16 +140,22 @@ def test_steps_built_on_a_doorbell_emit_the_same_tokens(shards, tokenizer) -> No
             assert built == STEPS  # the last batch's successor too
 
 
+def _two_steps_in(shards, prompt: tuple[int, ...]) -> tuple[TwoNodes, TwoNodes, object]:
+    """Request "a" prefilled and stepped once, with doorbells (the next step built ahead) and
+    without; and the result of that step."""
+    options = RequestOptions(mtp=False)
+    nodes, reference = TwoNodes(shards, doorbells=True), TwoNodes(shards, doorbells=False)
+    for pair in (nodes, reference):
+        (first,) = pair.step([StepRequest("a", prompt, 0, options=options)])
+        (second,) = pair.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    return nodes, reference, second
+
+
 @two_runners
 def test_a_step_built_ahead_and_not_asked_for_leaves_no_trace(shards, tokenizer) -> None:
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
     options = RequestOptions(mtp=False)
-    nodes = TwoNodes(shards, doorbells=True)
-    (first,) = nodes.step([StepRequest("a", prompt, 0, options=options)])
-    (second,) = nodes.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
-    reference = TwoNodes(shards, doorbells=False)
-    reference.step([StepRequest("a", prompt, 0, options=options)])
-    reference.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    nodes, reference, second = _two_steps_in(shards, prompt)
     # Another request joins: the batch differs, so the step built ahead is undone, the
     # doorbell released, and both requests step as they would have.
     steps = [
@@ -175,13 +181,7 @@ def test_a_step_built_ahead_and_not_asked_for_leaves_no_trace(shards, tokenizer)
 @two_runners
 def test_a_doorbell_rung_without_data_is_not_used(shards, tokenizer) -> None:
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
-    options = RequestOptions(mtp=False)
-    nodes = TwoNodes(shards, doorbells=True)
-    (first,) = nodes.step([StepRequest("a", prompt, 0, options=options)])
-    (second,) = nodes.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
-    reference = TwoNodes(shards, doorbells=False)
-    reference.step([StepRequest("a", prompt, 0, options=options)])
-    reference.step([StepRequest("a", (first.tokens[-1],), len(prompt))])
+    nodes, reference, second = _two_steps_in(shards, prompt)
     for doorbell in nodes.doorbells:
         doorbell.ring(None)  # e.g. a release of another request reached the node first
     steps = [StepRequest("a", (second.tokens[-1],), len(prompt) + 1)]

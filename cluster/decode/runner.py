@@ -164,7 +164,7 @@ class ShardRunner:
         self._kv_bytes_per_position = self._kv_position_bytes()
         self.snapshots = SnapshotStore(prefix_budget_bytes)
         self.positions_computed = 0  # by this shard's layers, over every step
-        self._hidden_dtype: mx.Dtype | None = None  # of the hidden states this shard takes
+        self.hidden_dtype: mx.Dtype | None = None  # of the hidden states this shard takes
 
     # -- the per-step path ------------------------------------------------------------------
 
@@ -207,7 +207,7 @@ class ShardRunner:
             if hidden.shape[1] != start:
                 raise RequestError(f"hidden states hold {hidden.shape[1]} positions, steps {start}")
             x = hidden if len(ran) == len(steps) else self._rows(hidden, runnable)
-            self._hidden_dtype = hidden.dtype
+            self.hidden_dtype = hidden.dtype
         segments = []
         for _, step, state in runnable:
             state.cache.begin_step(step.rollback, len(step.tokens))
@@ -366,13 +366,9 @@ class ShardRunner:
         elsewhere (None before this shard has seen any)."""
         if self.spec.is_head:
             return 4 * len(steps)
-        if self._hidden_dtype is None:
+        if self.hidden_dtype is None:
             return None
-        return len(steps) * self.shard.hidden_size * self._hidden_dtype.size
-
-    @property
-    def hidden_dtype(self) -> mx.Dtype | None:
-        return self._hidden_dtype
+        return len(steps) * self.shard.hidden_size * self.hidden_dtype.size
 
     def build_ahead(self, steps: list[StepRequest], doorbell: Doorbell, seq: int) -> bool:
         """Build `steps` (from `plain_successors`) on `doorbell`'s input `seq`, and where the
@@ -388,7 +384,7 @@ class ShardRunner:
                 self._check_budget(state, 1)
         except CacheBudgetError:
             return False
-        if not self.spec.is_head and self._hidden_dtype is None:
+        if not self.spec.is_head and self.hidden_dtype is None:
             return False
         marks = [state.cache.mark() for state in states]
         tail_marks = [state.tail.mark() if state.tail else None for state in states]
@@ -398,7 +394,7 @@ class ShardRunner:
                 x = self.shard.embed(doorbell.input(seq, (len(steps),), mx.uint32)[None])
             else:
                 shape = (1, len(steps), self.shard.hidden_size)
-                x = doorbell.input(seq, shape, self._hidden_dtype)
+                x = doorbell.input(seq, shape, self.hidden_dtype)
             segments = []
             for state in states:
                 state.cache.begin_step(0, 1)
@@ -416,7 +412,7 @@ class ShardRunner:
                 if tail_mark is not None:
                     state.tail.restore(tail_mark)
             raise
-        runnable = list(zip(range(len(steps)), steps, states, strict=True))
+        runnable = list(zip(range(len(steps)), steps, states, strict=True))  # a row each
         self._ahead = _Ahead(
             runnable, jobs, marks, tail_marks, [0] * len(steps), steps=steps,
             doorbell=doorbell, seq=seq, hidden=None if self.tail is not None else out,
