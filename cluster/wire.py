@@ -67,13 +67,6 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
     "float32": (mx.float32, np.dtype(np.float32)),
 }
 _DTYPE_NAMES = {spec[0]: name for name, spec in _DTYPES.items()}
-
-
-def dtype_name(dtype: mx.Dtype) -> str | None:
-    """A dtype's name on the wire (None: one the wire does not carry)."""
-    return _DTYPE_NAMES.get(dtype)
-
-
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SAMPLING = SamplingParams()
 _OPTIONS = RequestOptions()
@@ -137,6 +130,11 @@ def tensor_to_proto(a: mx.array) -> pb.Tensor:
     t = pb.Tensor()
     _fill_tensor(t, a)
     return t
+
+
+def dtype_name(dtype: mx.Dtype) -> str | None:
+    """A dtype's name on the wire (None: one the wire does not carry)."""
+    return _DTYPE_NAMES.get(dtype)
 
 
 def tensor_from_proto(t: pb.Tensor) -> mx.array:

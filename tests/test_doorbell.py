@@ -206,3 +206,25 @@ def test_the_pinned_doorbell_launches_before_its_input_exists() -> None:
     assert y.tolist() == [2, 4, 6]
     assert time.perf_counter() - started >= 0.04
     assert doorbell.delivered(seq)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU's and Metal's settings")
+def test_build_ahead_settings() -> None:
+    from cluster.decode.doorbell import HostDoorbell
+
+    assert for_setting("auto") is None and for_setting("off") is None
+    assert isinstance(for_setting("on"), HostDoorbell)
+    with pytest.raises(ValueError, match="not one of"):
+        for_setting("sometimes")
+    doorbell = for_setting("on")
+    seq = doorbell.prepare(8)
+    doorbell.arm(seq)
+    with pytest.raises(RuntimeError, match="still armed"):
+        doorbell.prepare(8)
+    doorbell.ring(None)  # released without data: nothing delivered
+    assert doorbell.pending is None and not doorbell.delivered(seq)
+    seq = doorbell.prepare(8)
+    x = doorbell.input(seq, (2,), mx.uint32)
+    doorbell.arm(seq)
+    doorbell.ring(np.array([7, 9], dtype=np.uint32).tobytes())
+    assert doorbell.delivered(seq) and x.tolist() == [7, 9]

@@ -116,7 +116,7 @@ class HostDoorbell(Doorbell):
         if self._mailbox is not None and self._mailbox.size >= nbytes:
             return
         self._mailbox = mx.zeros((max(nbytes, 4096),), dtype=mx.uint8)
-        mx.eval(self._mailbox)
+        mx.eval(self._mailbox)  # now, on the caller's thread: the MLX thread only reads it
         self._view = np.array(self._mailbox, copy=False)  # the array's own buffer
         if not self._view.flags.writeable:
             raise RuntimeError("this MLX build gives no writable view of an array's buffer")
@@ -252,7 +252,7 @@ def for_setting(setting: str = "auto") -> Doorbell | None:
             return PinnedDoorbell()
         except RuntimeError as error:
             if setting == "on":
-                raise
+                raise ValueError(f"steps cannot be built ahead here: {error}") from error
             log.warning("steps are not built ahead: %s", error)
             return None
     return HostDoorbell() if setting == "on" else None
