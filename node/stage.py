@@ -353,10 +353,15 @@ class Stage:
 
     async def _process(self, batch: list[_Inbound]) -> None:
         clock = _Clock(arrived=min(item.arrived for item in batch))
+        rung = False
         if self.doorbell is not None and self.doorbell.pending is not None:
-            self.doorbell.ring(self._doorbell_input(batch))
+            data = self._doorbell_input(batch)
+            self.doorbell.ring(data)
+            rung = data is not None
         clock.started = time.perf_counter()
-        output, errors, dropped, successors = await self.worker.run(self._compute, batch, clock)
+        output, errors, dropped, successors = await self.worker.run(
+            self._compute, batch, clock, rung
+        )
         clock.returned = time.perf_counter()
         elapsed = clock.returned - clock.started
         self.stats.latencies_ms.append(elapsed * 1000)
@@ -435,7 +440,7 @@ class Stage:
             self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message, self.epoch)
 
     def _compute(
-        self, batch: list[_Inbound], clock: _Clock
+        self, batch: list[_Inbound], clock: _Clock, rung: bool = False
     ) -> tuple[
         _Forward | pb.ResultBatch | None,
         list[tuple[str, grpc.StatusCode, str]],
@@ -444,25 +449,28 @@ class Stage:
     ]:
         """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
         the shard no longer holds, and the steps to build ahead (`plain_successors`, where
-        the stage has a doorbell). Marks `clock` at each part's end."""
+        the stage has a doorbell; `rung`: the batch's input rang it). Marks `clock` at each
+        part's end."""
         clock.computing = time.perf_counter()
         errors: list[tuple[str, grpc.StatusCode, str]] = []
-        steps: list[StepRequest] = []
+        steps = self._built_ahead(batch) if rung else None
         hidden: list[mx.array] = []
-        for item in batch:
-            try:
-                entries, h, _ = step_batch_from_proto(item.message)
-                self._check_hidden(entries, h)
-            except (WireError, RequestError) as error:
-                code = status_of(error)
-                # Answer on the sender's own stream too (from this worker thread, safely).
-                event = pb.StepEvent(sequence=item.message.sequence)
-                self._event_loop.call_soon_threadsafe(item.reply, event)
-                errors += [(rid, code, str(error)) for rid in item.request_ids]
-                continue
-            steps += entries
-            if h is not None:
-                hidden.append(h)
+        if steps is None:
+            steps = []
+            for item in batch:
+                try:
+                    entries, h, _ = step_batch_from_proto(item.message)
+                    self._check_hidden(entries, h)
+                except (WireError, RequestError) as error:
+                    code = status_of(error)
+                    # Answer on the sender's own stream too (from this worker thread, safely).
+                    event = pb.StepEvent(sequence=item.message.sequence)
+                    self._event_loop.call_soon_threadsafe(item.reply, event)
+                    errors += [(rid, code, str(error)) for rid in item.request_ids]
+                    continue
+                steps += entries
+                if h is not None:
+                    hidden.append(h)
         if not steps:
             return None, errors, [], None
         x = None
@@ -487,6 +495,16 @@ class Stage:
         if self.doorbell is not None and not errors:
             successors = self.runner.plain_successors(out.steps)
         return encoded, errors, dropped, successors
+
+    def _built_ahead(self, batch: list[_Inbound]) -> list[StepRequest] | None:
+        """The steps of a batch whose input rang the doorbell (`_doorbell_input` checked it),
+        if the runner holds them built: their hidden states are then in the doorbell already,
+        and are not decoded again. None otherwise (the build failed, or was not made)."""
+        try:
+            steps = [e for item in batch for e in step_entries_from_proto(item.message)]
+        except (WireError, RequestError):
+            return None
+        return steps if self.runner.ahead_matches(steps) else None
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

@@ -341,6 +341,10 @@ class ShardRunner:
 
     # -- a node's next step, built on a doorbell -------------------------------------------
 
+    def ahead_matches(self, steps: list[StepRequest]) -> bool:
+        """Whether `run(steps)` will take the batch built ahead (and needs no input)."""
+        return self._ahead is not None and self._ahead.matches(steps)
+
     def plain_successors(self, steps: list[StepRequest]) -> list[StepRequest] | None:
         """The batch expected after `steps` (tokens zeroed), where a node can build it ahead:
         `steps` held every request of this shard, each decoding one token with nothing else
