@@ -31,10 +31,11 @@ from cluster.messages import RequestError, StepRequest, UnknownRequestError
 from cluster.wire import (
     WireError,
     dtype_name,
+    forwarded_step_bytes,
     results_to_proto,
     step_batch_bytes,
-    step_batch_from_proto,
     step_entries_from_proto,
+    tensor_from_proto,
 )
 from node.auth import TLSConfig, open_channel, token_metadata
 from node.hop import split_host_port
@@ -353,14 +354,15 @@ class Stage:
 
     async def _process(self, batch: list[_Inbound]) -> None:
         clock = _Clock(arrived=min(item.arrived for item in batch))
-        rung = False
+        rung, parsed = False, None
         if self.doorbell is not None and self.doorbell.pending is not None:
-            data = self._doorbell_input(batch)
+            parsed = self._parse(batch)
+            data = self._doorbell_input(batch, parsed) if parsed is not None else None
             self.doorbell.ring(data)
             rung = data is not None
         clock.started = time.perf_counter()
         output, errors, dropped, successors = await self.worker.run(
-            self._compute, batch, clock, rung
+            self._compute, batch, clock, rung, parsed
         )
         clock.returned = time.perf_counter()
         elapsed = clock.returned - clock.started
@@ -404,14 +406,21 @@ class Stage:
         if self.doorbell.pending is not None and seq in (None, self.doorbell.pending):
             self.doorbell.ring(None)
 
-    def _doorbell_input(self, batch: list[_Inbound]) -> bytes | None:
-        """The input of the steps built ahead, if `batch` is them: the head's token ids, or
-        the hidden states every message carries, in order. None for anything else (the
-        runner then undoes what was built and runs the batch as it came)."""
+    @staticmethod
+    def _parse(batch: list[_Inbound]) -> list[list[StepRequest]] | None:
+        """Each message's entries; None if one is invalid (`_compute` answers it)."""
         try:
-            entries = [e for item in batch for e in step_entries_from_proto(item.message)]
+            return [step_entries_from_proto(item.message) for item in batch]
         except (WireError, RequestError):
             return None
+
+    def _doorbell_input(
+        self, batch: list[_Inbound], parsed: list[list[StepRequest]]
+    ) -> bytes | None:
+        """The input of the steps built ahead, if `batch` (its entries `parsed`) is them: the
+        head's token ids, or the hidden states every message carries, in order. None for
+        anything else (the runner then undoes what was built and runs the batch as it came)."""
+        entries = [e for item in parsed for e in item]
         if [without_tokens(e) for e in entries] != self._expected:
             return None
         if self.runner.spec.is_head:
@@ -440,7 +449,11 @@ class Stage:
             self.subscribers.fail(rids, grpc.StatusCode.UNAVAILABLE, message, self.epoch)
 
     def _compute(
-        self, batch: list[_Inbound], clock: _Clock, rung: bool = False
+        self,
+        batch: list[_Inbound],
+        clock: _Clock,
+        rung: bool = False,
+        parsed: list[list[StepRequest]] | None = None,
     ) -> tuple[
         _Forward | pb.ResultBatch | None,
         list[tuple[str, grpc.StatusCode, str]],
@@ -449,18 +462,20 @@ class Stage:
     ]:
         """On the MLX worker: decode, run the shard, encode; also the prefix snapshots that
         the shard no longer holds, and the steps to build ahead (`plain_successors`, where
-        the stage has a doorbell; `rung`: the batch's input rang it). Marks `clock` at each
-        part's end."""
+        the stage has a doorbell; `rung`: the batch's input rang it; `parsed`: each message's
+        entries, where the event loop parsed them already). Marks `clock` at each part's end."""
         clock.computing = time.perf_counter()
         errors: list[tuple[str, grpc.StatusCode, str]] = []
-        steps = self._built_ahead(batch) if rung else None
+        steps: list[StepRequest] = []
         hidden: list[mx.array] = []
-        if steps is None:
-            steps = []
-            for item in batch:
+        ran = batch  # the messages whose entries are `steps`
+        if rung and self.runner.ahead_matches(entries := [e for i in parsed for e in i]):
+            steps = entries  # built ahead: their hidden states are in the doorbell already
+        else:
+            ran = []
+            for i, item in enumerate(batch):
                 try:
-                    entries, h, _ = step_batch_from_proto(item.message)
-                    self._check_hidden(entries, h)
+                    entries, h = self._decode(item.message, parsed[i] if parsed else None)
                 except (WireError, RequestError) as error:
                     code = status_of(error)
                     # Answer on the sender's own stream too (from this worker thread, safely).
@@ -468,6 +483,7 @@ class Stage:
                     self._event_loop.call_soon_threadsafe(item.reply, event)
                     errors += [(rid, code, str(error)) for rid in item.request_ids]
                     continue
+                ran.append(item)
                 steps += entries
                 if h is not None:
                     hidden.append(h)
@@ -488,7 +504,11 @@ class Stage:
         if out.hidden is None:
             encoded = results_to_proto(out.results, [], self.epoch)
         else:
-            payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
+            if len(out.steps) == len(steps):  # the runner leaves out only failed requests
+                messages = [item.message for item in ran]
+                payload = forwarded_step_bytes(messages, out.hidden, self.epoch)
+            else:
+                payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
             encoded = _Forward(payload, [step.request_id for step in out.steps])
         clock.computed = time.perf_counter()
         successors = None
@@ -496,15 +516,15 @@ class Stage:
             successors = self.runner.plain_successors(out.steps)
         return encoded, errors, dropped, successors
 
-    def _built_ahead(self, batch: list[_Inbound]) -> list[StepRequest] | None:
-        """The steps of a batch whose input rang the doorbell (`_doorbell_input` checked it),
-        if the runner holds them built: their hidden states are then in the doorbell already,
-        and are not decoded again. None otherwise (the build failed, or was not made)."""
-        try:
-            steps = [e for item in batch for e in step_entries_from_proto(item.message)]
-        except (WireError, RequestError):
-            return None
-        return steps if self.runner.ahead_matches(steps) else None
+    def _decode(
+        self, message: pb.StepBatch, entries: list[StepRequest] | None
+    ) -> tuple[list[StepRequest], mx.array | None]:
+        """A message's entries (parsed here unless given) and hidden states, checked."""
+        if entries is None:
+            entries = step_entries_from_proto(message)
+        hidden = tensor_from_proto(message.hidden) if message.HasField("hidden") else None
+        self._check_hidden(entries, hidden)
+        return entries, hidden
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

@@ -81,3 +81,33 @@ def test_unencodable_values_raise_wire_error():
     for sequence, epoch in ((-1, 0), (2**64, 0), (0, -1), (0, 2**64)):
         with pytest.raises(wire.WireError, match="uint64"):
             wire.step_batch_bytes([], None, sequence, epoch)
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 2**63], ids=str)
+def test_a_forwarded_step_is_the_step_its_decoded_entries_make(epoch):
+    """What a node sends on (the entries it received, serialized from the parsed messages) is
+    byte for byte what encoding their decoded entries makes, over several messages too."""
+    entries = _entries()
+    hidden = mx.random.normal((1, 6, 64), key=mx.random.key(5)).astype(mx.bfloat16)
+    received = [
+        pb.StepBatch.FromString(wire.step_batch_bytes(part, None, sequence, 7))
+        for sequence, part in enumerate([entries[:1], entries[1:], []], start=3)
+    ]
+    expected = wire.step_batch_bytes(entries, hidden, 0, epoch)
+    assert wire.forwarded_step_bytes(received, hidden, epoch) == expected
+    assert wire.forwarded_step_bytes(received, None, epoch) == wire.step_batch_bytes(
+        entries, None, 0, epoch
+    )
+    decoded, got, sequence = wire.step_batch_from_proto(pb.StepBatch.FromString(expected))
+    assert decoded == entries and sequence == 0 and _bits(got) == _bits(hidden)
+
+
+def test_a_tensor_spec_that_disagrees_is_refused_every_time():
+    """The dtype and shape checks are cached per (dtype, shape); a bad one raises each time."""
+    for _ in range(2):
+        with pytest.raises(wire.WireError, match="dtype"):
+            wire.tensor_from_proto(pb.Tensor(dtype="int8", shape=[2], data=b"ab"))
+        with pytest.raises(wire.WireError, match="negative"):
+            wire.tensor_from_proto(pb.Tensor(dtype="float32", shape=[-1], data=b""))
+        with pytest.raises(wire.WireError, match="needs 8 bytes"):
+            wire.tensor_from_proto(pb.Tensor(dtype="float32", shape=[2], data=b"abc"))

@@ -10,10 +10,10 @@ is half the round trip, and each way does a hop's real work:
   link       the nodes' step stream (`node.step_link`), as between nodes now: a `StepBatch` each
              way over the product's TCP link (the server replies over a link of its own), the
              same codec work as proto
-  proto      grpc.aio bidi stream of `StepBatch`, as the coordinator's hop to the head (and
-             every hop under TLS): the sender serializes with
-             `wire.step_batch_bytes`, the receiver parses (`StepBatch.FromString`) and decodes
-             (entries + mx.array); the server re-encodes its own output for the reply
+  proto      grpc.aio bidi stream of `StepBatch`, as every hop under TLS: the sender
+             serializes as a node sends on the step it received (`wire.forwarded_step_bytes`),
+             the receiver parses (`StepBatch.FromString`) and decodes (entries + mx.array);
+             the server encodes its own output for the reply the same way
   proto-msg  the same, the step handed to gRPC as a message (`wire.step_batch_to_proto`, gRPC
              serializes it): the nodes' encode before `step_batch_bytes`, three copies of the
              hidden states instead of one
@@ -139,9 +139,20 @@ def _forward_output(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return out
 
 
+def received_step(step: tuple[list[StepRequest], mx.array]) -> pb.StepBatch:
+    """The message a node receives for `step`: what it sends on (`forward_step`)."""
+    return pb.StepBatch.FromString(wire.step_batch_bytes(*step, 0))
+
+
+def forward_step(message: pb.StepBatch, hidden: mx.array) -> bytes:
+    """A node's encode of its output: the entries it received, with its hidden states."""
+    return wire.forwarded_step_bytes([message], hidden)
+
+
 def _proto_echo(msg: pb.StepBatch) -> bytes:
-    entries, hidden, sequence = wire.step_batch_from_proto(msg)
-    return wire.step_batch_bytes(entries, _forward_output(hidden.shape, hidden.dtype), sequence)
+    """A node's codec work: decode the step, send its entries on with the layers' output."""
+    _, hidden, _ = wire.step_batch_from_proto(msg)
+    return forward_step(msg, _forward_output(hidden.shape, hidden.dtype))
 
 
 def _proto_msg_echo(msg: pb.StepBatch) -> pb.StepBatch:
@@ -371,11 +382,9 @@ class _Stream:
     def __init__(self, channel: grpc.aio.Channel, variant: str, step, busy_ns: int) -> None:
         entries, hidden = step
         payload = wire.step_batch_bytes(entries, hidden, 0)
+        received = received_step(step)
         codecs = {
-            "proto": (
-                lambda i: wire.step_batch_bytes(entries, hidden, i),
-                wire.step_batch_from_proto,
-            ),
+            "proto": (lambda i: forward_step(received, hidden), wire.step_batch_from_proto),
             "msgpack": (
                 lambda i: wrappers_pb2.BytesValue(value=msgpack_encode(entries, hidden, i)),
                 lambda m: msgpack_decode(m.value),
@@ -407,10 +416,11 @@ class _Tcp:
     def __init__(self, variant: str, step) -> None:
         entries, hidden = step
         payload = wire.step_batch_bytes(entries, hidden, 0)
+        received = received_step(step)
         codecs = {
             "tcp": (lambda i: payload, lambda b: b),
             "tcp+proto": (
-                lambda i: wire.step_batch_bytes(entries, hidden, i),
+                lambda i: forward_step(received, hidden),
                 lambda b: wire.step_batch_from_proto(pb.StepBatch.FromString(b)),
             ),
         }
@@ -436,7 +446,7 @@ class _Link:
     client's `StepListener` (decoded as a node decodes a step)."""
 
     def __init__(self, step, inbox: asyncio.Queue) -> None:
-        self._entries, self._hidden = step
+        self._received, self._hidden = received_step(step), step[1]
         self._inbox = inbox
 
     async def open(self, port: int) -> _Link:
@@ -444,7 +454,7 @@ class _Link:
         return self
 
     async def round_trip(self, i: int) -> None:
-        await self._sender.send(wire.step_batch_bytes(self._entries, self._hidden, i))
+        await self._sender.send(forward_step(self._received, self._hidden))
         wire.step_batch_from_proto(await self._inbox.get())
 
     async def close(self) -> None:
@@ -500,11 +510,11 @@ class _Codec:
     after `sleep_s` asleep (not timed) if given."""
 
     def __init__(self, step, sleep_s: float = 0.0) -> None:
-        self._entries, self._hidden = step
+        self._received, self._hidden = received_step(step), step[1]
         self._sleep_s = sleep_s
 
     def hop(self, i: int) -> None:
-        data = wire.step_batch_bytes(self._entries, self._hidden, i)
+        data = forward_step(self._received, self._hidden)
         wire.step_batch_from_proto(pb.StepBatch.FromString(data))
 
     async def round_trip(self, i: int) -> int:
