@@ -8,6 +8,7 @@ tests/test_pipeline.py."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import mlx.core as mx
@@ -22,6 +23,9 @@ from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
+from cluster.wire import results_from_proto, step_batch_bytes
+from node.stage import AHEAD_WAIT_S, Stage, Subscribers
+from proto import cluster_pb2 as pb
 
 STEPS = 12
 
@@ -187,6 +191,56 @@ def test_a_doorbell_rung_without_data_is_not_used(shards, tokenizer) -> None:
     steps = [StepRequest("a", (second.tokens[-1],), len(prompt) + 1)]
     assert [r.tokens for r in nodes.step(steps)] == [r.tokens for r in reference.step(steps)]
     assert [r.steps_ahead_undone for r in nodes.runners] == [1, 1]
+
+
+async def _tail_stage_tokens(shards, prompt: tuple[int, ...], doorbell: bool) -> list[int]:
+    """A tail node's stage (its doorbell 'on', or none) fed the head's step messages: the
+    prompt, a plain step, a pause of three AHEAD_WAIT_S with no message, a plain step."""
+    head_shard, tail_shard = shards
+    head, head_worker = ShardRunner(head_shard), MLXWorker(spin_s=0)
+    runner, worker = ShardRunner(tail_shard), MLXWorker(spin_s=0)
+    subscribers = Subscribers()
+    results = subscribers.add()
+    stage = Stage(
+        runner, worker, subscribers, next_node=None, token="t",
+        doorbell=for_setting("on") if doorbell else None,
+    )  # fmt: skip
+    tokens: list[int] = []
+
+    async def step(request: StepRequest) -> None:
+        hidden = head_worker.call(head.run, [request]).hidden
+        message = pb.StepBatch.FromString(step_batch_bytes([request], hidden, len(tokens)))
+        stage.accept(message, lambda event: None)
+        (result,), errors = results_from_proto(await asyncio.wait_for(results.get(), 60))
+        assert not errors
+        tokens.append(result.tokens[-1])
+
+    try:
+        await step(StepRequest("a", prompt, 0, options=RequestOptions(mtp=False)))
+        await step(StepRequest("a", (tokens[-1],), len(prompt)))
+        if doorbell:
+            assert stage.doorbell.pending is not None  # the next step, built ahead
+        await asyncio.sleep(3 * AHEAD_WAIT_S)
+        if doorbell:
+            assert stage.doorbell.pending is None  # released by the stage's timer
+        await step(StepRequest("a", (tokens[-1],), len(prompt) + 1))
+        if doorbell:  # the step built ahead was undone, the one that came ran as it came
+            assert (runner.steps_ahead_used, runner.steps_ahead_undone) == (0, 1)
+    finally:
+        await stage.close()
+        worker.close()
+        head_worker.close()
+    return tokens
+
+
+@two_runners
+def test_a_step_built_ahead_that_no_message_rings_is_released(shards, tokenizer) -> None:
+    """A node whose next message does not come within AHEAD_WAIT_S (a driver that paused the
+    request) releases the step built ahead, which is then undone at the next step; the
+    tokens are those of a node without a doorbell."""
+    prompt = tuple(tokenizer.encode(CODE_PROMPTS[2]))
+    want = asyncio.run(_tail_stage_tokens(shards, prompt, doorbell=False))
+    assert asyncio.run(_tail_stage_tokens(shards, prompt, doorbell=True)) == want
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="MLX CUDA only")
