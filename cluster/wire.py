@@ -10,12 +10,13 @@ and the decoders test `HasField`, so an absent field takes the dataclass default
 zero stays zero (temperature 0 is greedy). Invalid values surface as `RequestError` (raised by
 the dataclasses) or `WireError` (a malformed tensor, an unencodable value).
 
-This is on the per-token path (`python -m cluster.bench.hop` times it): a decode step's encode
-plus decode costs about 12 us, so the functions stay plain loops over the fields. A node sends
-its successor `step_batch_bytes` (`forwarded_step_bytes` where the entries are the ones it
-received): the serialized message, built with the hidden states copied once. Through a protobuf message they are copied three times, into fresh buffers each time:
-encoding a 2048-position step of a 5120-wide model took 44 ms that way on the CPU build (page
-faults, mostly), 1.5 ms with `step_batch_bytes`.
+This is on the per-token path (`python -m cluster.bench.hop` times it), so the functions stay
+plain loops over the fields; plain decode steps between nodes take a shorter form still
+(`cluster.step_records`). A node sends its successor `step_batch_bytes`
+(`forwarded_step_bytes` where the entries are the ones it received): the serialized message,
+built with the hidden states copied once. Through a protobuf message they are copied three
+times, into fresh buffers each time: encoding a 2048-position step of a 5120-wide model took
+44 ms that way on the CPU build (page faults, mostly), 1.5 ms with `step_batch_bytes`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "ErrorEntry",
     "WireError",
+    "array_from_bytes",
     "forwarded_step_bytes",
     "grpc_channel_options",
     "grpc_server_options",
@@ -140,12 +142,16 @@ def dtype_name(dtype: mx.Dtype) -> str | None:
 
 def tensor_from_proto(t: pb.Tensor) -> mx.array:
     """The array of a `Tensor`, bit-exact; `WireError` if dtype, shape and bytes disagree."""
-    shape = tuple(t.shape)
-    dtype, np_dtype, nbytes = _tensor_spec(t.dtype, shape)
-    data = t.data
+    return array_from_bytes(t.data, t.dtype, tuple(t.shape))
+
+
+def array_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> mx.array:
+    """The array of raw little-endian bytes of the wire dtype `dtype_name` (see `_DTYPES`);
+    `WireError` if they do not make `shape`."""
+    dtype, np_dtype, nbytes = _tensor_spec(dtype_name, shape)
     if len(data) != nbytes:
         raise WireError(
-            f"tensor of shape {list(shape)} and dtype {t.dtype} needs {nbytes} bytes, "
+            f"tensor of shape {list(shape)} and dtype {dtype_name} needs {nbytes} bytes, "
             f"got {len(data)}"
         )
     a = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))

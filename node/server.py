@@ -38,7 +38,7 @@ from node.hardware import this_machine
 from node.hop import HopChoice, choose_hop
 from node.links import local_links
 from node.shard_weights import ShardWeights, ShardWeightsError
-from node.stage import Stage, Subscribers, status_of
+from node.stage import Inbound, Stage, Subscribers, status_of
 from node.step_link import StepListener
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -236,7 +236,7 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             reader.cancel()
 
-    def accept_linked_step(self, message: pb.StepBatch) -> None:
+    def accept_linked_step(self, message: Inbound) -> None:
         """A step from the predecessor's TCP step stream (`node.step_link`): as `Steps` takes
         one, to the stage of the moment. The sender reads no replies: without a stage, the
         step's requests fail on the driver's Results stream, as `Steps` would refuse it."""
@@ -328,6 +328,7 @@ class NodeService(pb_grpc.NodeServicer):
             os=hardware.os,
             cpu_count=hardware.cpu_count,
             step_port=self.step_port,
+            step_records=self.step_port != 0,
         )
         self.weights.fill_info(info)
         info.links.extend(self.links)

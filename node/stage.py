@@ -23,11 +23,13 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
+from cluster import step_records
 from cluster.decode.doorbell import Doorbell
 from cluster.decode.pipeline import take_batch
 from cluster.decode.runner import CacheBudgetError, ShardRunner, without_tokens
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
+from cluster.step_records import StepRecords
 from cluster.wire import (
     WireError,
     dtype_name,
@@ -46,6 +48,10 @@ from proto import cluster_pb2 as pb
 log = logging.getLogger(__name__)
 
 Reply = Callable[[pb.StepEvent], None]
+# A step as it arrives: a StepBatch, or a batch of plain decode steps as records (the step
+# stream's short form). Both have `entries` with `request_id`, `tokens` and `draft_len`, a
+# `sequence` and an `epoch`.
+Inbound = pb.StepBatch | StepRecords
 # The Node service's Steps method, for a stream that sends pre-serialized StepBatch bytes.
 STEPS_METHOD = "/{}/Steps".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
 INFO_METHOD = "/{}/Info".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
@@ -108,7 +114,7 @@ class Subscribers:
 
 @dataclass(slots=True)
 class _Inbound:
-    message: pb.StepBatch
+    message: Inbound
     reply: Reply
     request_ids: frozenset[str]
     arrived: float = field(default_factory=time.perf_counter)
@@ -116,10 +122,18 @@ class _Inbound:
 
 @dataclass(frozen=True, slots=True)
 class _Forward:
-    """A step for the successor, serialized on the MLX worker (`step_batch_bytes`)."""
+    """A step for the successor, serialized on the MLX worker: a StepBatch, or `records`."""
 
     payload: bytes
     request_ids: list[str]
+    records: bool = False
+
+
+def _entries(message: Inbound) -> list[StepRequest]:
+    """A step's entries; `RequestError` for an invalid one (`WireError`: a bad option)."""
+    if isinstance(message, StepRecords):
+        return message.entries
+    return step_entries_from_proto(message)
 
 
 # A batch's way through the stage (`pb.StepPhases`), in its fields' order.
@@ -178,6 +192,8 @@ class Downstream:
     """The long-lived step stream to the successor, reopened if it breaks. It sends the
     StepBatch serialized already (`step_batch_bytes`): over the successor's TCP step stream
     (`node.step_link`) where it has one, else over gRPC, which passes the bytes on as they are.
+    Plain decode steps go as records (`cluster.step_records`) where the successor's stream
+    takes them (`takes_records`, read when the stage encodes a step).
     """
 
     def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
@@ -187,15 +203,18 @@ class Downstream:
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._link: StepSender | None = None
+        self.takes_records = False
 
-    async def send(self, payload: bytes) -> None:
+    async def send(self, payload: bytes, records: bool = False) -> None:
         if self._link is not None and self._link.broken:
             await self.close()
         if self._link is None and (self._call is None or self._call.done()):
             await self.close()
             await self._open()
+        if records and not self.takes_records:  # encoded for a stream since replaced
+            payload, records = step_records.step_batch_of(payload), False
         if self._link is not None:
-            await self._link.send(payload)
+            await self._link.send(payload, records)
         else:
             await self._call.write(payload)
 
@@ -231,10 +250,12 @@ class Downstream:
             return None
         host, _ = split_host_port(self.address)
         try:
-            return await StepSender.open(host, reply.step_port, self._token)
+            link = await StepSender.open(host, reply.step_port, self._token)
         except StepLinkError as error:  # a firewall, say: the gRPC stream still works
             log.warning("%s; streaming steps to %s over gRPC", error, self.address)
             return None
+        self.takes_records = reply.step_records
+        return link
 
     async def close(self) -> None:
         if self._link is not None:
@@ -244,6 +265,7 @@ class Downstream:
         if self._channel is not None:
             await self._channel.close()
         self._call = self._channel = self._link = None
+        self.takes_records = False
 
 
 def _log_build_failure(built: Future) -> None:
@@ -292,7 +314,7 @@ class Stage:
         self._event_loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop())
 
-    def accept(self, message: pb.StepBatch, reply: Reply) -> None:
+    def accept(self, message: Inbound, reply: Reply) -> None:
         self.stats.messages_in += 1
         rids = frozenset(entry.request_id for entry in message.entries)
         if message.epoch != self.epoch:
@@ -410,7 +432,7 @@ class Stage:
     def _parse(batch: list[_Inbound]) -> list[list[StepRequest]] | None:
         """Each message's entries; None if one is invalid (`_compute` answers it)."""
         try:
-            return [step_entries_from_proto(item.message) for item in batch]
+            return [_entries(item.message) for item in batch]
         except (WireError, RequestError):
             return None
 
@@ -431,16 +453,20 @@ class Stage:
         dtype, width = dtype_name(self.runner.hidden_dtype), self.runner.shard.hidden_size
         parts = []
         for item in batch:
-            hidden, n = item.message.hidden, len(item.message.entries)
-            if hidden.dtype != dtype or list(hidden.shape) != [1, n, width]:
+            message, n = item.message, len(item.message.entries)
+            if isinstance(message, StepRecords):
+                hidden_dtype, shape, data = message.dtype, message.hidden_shape, message.hidden
+            else:
+                hidden_dtype, shape, data = message.hidden.dtype, message.hidden.shape, None
+            if hidden_dtype != dtype or tuple(shape) != (1, n, width):
                 return None
-            parts.append(hidden.data)
+            parts.append(message.hidden.data if data is None else data)
         data = b"".join(parts)
         return data if len(data) == self.runner.input_nbytes(entries) else None
 
     async def _forward(self, output: _Forward) -> None:
         try:
-            await self.downstream.send(output.payload)
+            await self.downstream.send(output.payload, output.records)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, OSError) as error:
             await self.downstream.close()
             rids = output.request_ids
@@ -504,12 +530,8 @@ class Stage:
         if out.hidden is None:
             encoded = results_to_proto(out.results, [], self.epoch)
         else:
-            if len(out.steps) == len(steps):  # the runner leaves out only failed requests
-                messages = [item.message for item in ran]
-                payload = forwarded_step_bytes(messages, out.hidden, self.epoch)
-            else:
-                payload = step_batch_bytes(out.steps, out.hidden, 0, self.epoch)
-            encoded = _Forward(payload, [step.request_id for step in out.steps])
+            # The runner leaves out only failed requests: all ran, the entries are the same.
+            encoded = self._encode(out.steps, out.hidden, ran, len(out.steps) == len(steps))
         clock.computed = time.perf_counter()
         successors = None
         if self.doorbell is not None and not errors:
@@ -517,14 +539,32 @@ class Stage:
         return encoded, errors, dropped, successors
 
     def _decode(
-        self, message: pb.StepBatch, entries: list[StepRequest] | None
+        self, message: Inbound, entries: list[StepRequest] | None
     ) -> tuple[list[StepRequest], mx.array | None]:
         """A message's entries (parsed here unless given) and hidden states, checked."""
         if entries is None:
-            entries = step_entries_from_proto(message)
-        hidden = tensor_from_proto(message.hidden) if message.HasField("hidden") else None
+            entries = _entries(message)
+        if isinstance(message, StepRecords):
+            hidden = message.hidden_array()
+        else:
+            hidden = tensor_from_proto(message.hidden) if message.HasField("hidden") else None
         self._check_hidden(entries, hidden)
         return entries, hidden
+
+    def _encode(
+        self, steps: list[StepRequest], hidden: mx.array, ran: list[_Inbound], all_ran: bool
+    ) -> _Forward:
+        """The successor's step: records where its stream takes them and the steps fit
+        them; else the entries received, as they came, if every one ran; else built again."""
+        rids = [step.request_id for step in steps]
+        if self.downstream is not None and self.downstream.takes_records:
+            payload = step_records.encode(steps, hidden, 0, self.epoch)
+            if payload is not None:
+                return _Forward(payload, rids, records=True)
+        messages = [item.message for item in ran]
+        if all_ran and all(isinstance(m, pb.StepBatch) for m in messages):
+            return _Forward(forwarded_step_bytes(messages, hidden, self.epoch), rids)
+        return _Forward(step_batch_bytes(steps, hidden, 0, self.epoch), rids)
 
     def _check_hidden(self, entries: list[StepRequest], hidden: mx.array | None) -> None:
         spec = self.runner.spec

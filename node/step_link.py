@@ -13,7 +13,9 @@ The stream is one-way, as the gRPC one is used:
 
     sender:   MAGIC, u32 token length, token         (once; a wrong token closes the stream)
     listener: ACCEPTED                               (once)
-    sender:   per step: u32 length, a serialized StepBatch
+    sender:   per step: u32 length, a serialized StepBatch; or, to a listener whose node says
+              it reads them (`NodeInfo.step_records`), u32 length | RECORDS_FLAG and a batch
+              of plain decode steps as records (`cluster.step_records`)
 
 A malformed frame closes the stream (the sender sees it broken and opens a new one); results
 and errors reach the driver over its results stream.
@@ -40,6 +42,10 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
+from cluster import step_records
+from cluster.messages import RequestError
+from cluster.step_records import StepRecords
+from cluster.wire import WireError
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,7 @@ RESULTS_MAGIC = b"CSR1"
 FRAME = struct.Struct("<I")
 MAX_TOKEN_BYTES = 4096
 MAX_FRAME_BYTES = 1 << 30  # a prefill chunk's hidden states, with room to spare
+RECORDS_FLAG = 1 << 31  # in a step frame's length: the frame holds step records
 HELLO_TIMEOUT_S = 10.0
 ACCEPTED = b"\x01"  # the listener's one answer, after a good hello
 
@@ -65,12 +72,18 @@ class FrameError(ValueError):
 Message = TypeVar("Message", pb.StepBatch, pb.ResultBatch)
 
 
-def take_frames(buffer: bytearray, kind: type[Message], what: str) -> Iterator[Message]:
+def take_frames(
+    buffer: bytearray, kind: type[Message], what: str, records: bool = False
+) -> Iterator[Message | StepRecords]:
     """The messages of the whole frames at the start of `buffer` (u32 length, a serialized
-    `kind`), each removed from it as it is yielded and parsed from the buffer itself, not from
-    a copy; a frame over MAX_FRAME_BYTES, or one that is not a `what`, raises FrameError."""
+    `kind`; with `records`, also step records frames), each removed from it as it is yielded
+    and parsed from the buffer itself, not from a copy; a frame over MAX_FRAME_BYTES, or one
+    that is not a `what`, raises FrameError."""
     while len(buffer) >= FRAME.size:
         (size,) = FRAME.unpack_from(buffer)
+        parse = kind.FromString
+        if records and size & RECORDS_FLAG:
+            size, parse = size & ~RECORDS_FLAG, step_records.decode
         if size > MAX_FRAME_BYTES:
             raise FrameError(f"a {size}-byte frame")
         end = FRAME.size + size
@@ -78,8 +91,8 @@ def take_frames(buffer: bytearray, kind: type[Message], what: str) -> Iterator[M
             return
         with memoryview(buffer) as view, view[FRAME.size : end] as frame:
             try:
-                message = kind.FromString(frame)
-            except DecodeError as error:
+                message = parse(frame)
+            except (DecodeError, WireError, RequestError) as error:
                 raise FrameError(f"a malformed {what} ({error})") from None
         del buffer[:end]  # once no view holds the buffer: it cannot shrink while one does
         yield message
@@ -104,7 +117,7 @@ class StepListener:
     def __init__(
         self,
         token: str,
-        accept: Callable[[pb.StepBatch], None],
+        accept: Callable[[pb.StepBatch | StepRecords], None],
         subscribe: Subscribe | None = None,
     ):
         self.token = token.encode()
@@ -205,7 +218,7 @@ class _StepStream(asyncio.Protocol):
 
     def _steps(self) -> None:
         try:
-            for message in take_frames(self._buffer, pb.StepBatch, "step"):
+            for message in take_frames(self._buffer, pb.StepBatch, "step", records=True):
                 self._listener.accept(message)
         except FrameError as error:
             self._refuse(str(error))
@@ -261,13 +274,15 @@ class StepSender:
         """Wait until the successor ends the stream (it stopped, or refused a frame)."""
         await asyncio.wait([self._closed])
 
-    async def send(self, payload: bytes) -> None:
-        """Queue one serialized StepBatch and wait while the socket's buffer is full."""
+    async def send(self, payload: bytes, records: bool = False) -> None:
+        """Queue one serialized StepBatch (`records`: step records, to a listener whose node
+        reads them) and wait while the socket's buffer is full."""
         if self.broken:
             raise StepLinkError(f"the step stream to {self.address} was closed")
         if len(payload) > MAX_FRAME_BYTES:
             raise StepLinkError(f"a step of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
-        self._writer.writelines((FRAME.pack(len(payload)), payload))
+        size = len(payload) | RECORDS_FLAG if records else len(payload)
+        self._writer.writelines((FRAME.pack(size), payload))
         await self._writer.drain()
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nodes import NodeGroup, remote_engine
 
+from cluster import step_records
 from cluster.decode.engine import GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestError
@@ -98,6 +99,7 @@ def test_codec_with_arbitrary_bytes(data: bytes) -> None:
         lambda b: step_batch_from_proto(pb.StepBatch.FromString(b)),
         lambda b: results_from_proto(pb.ResultBatch.FromString(b)),
         lambda b: tensor_from_proto(pb.Tensor.FromString(b)),
+        lambda b: step_records.decode(b).hidden_array(),
     ):
         with contextlib.suppress(CLEAN):
             decode(data)

@@ -22,13 +22,20 @@ import nodes
 import pytest
 from conftest import run
 
-from cluster import wire
+from cluster import step_records, wire
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.messages import RequestOptions, StepRequest, StepResult
 from node.client import NodeClient, NodeUnavailable, load_pipeline
 from node.results_link import ResultsLink
 from node.stage import Downstream, Subscribers
-from node.step_link import ACCEPTED, FRAME, StepLinkError, StepListener, StepSender
+from node.step_link import (
+    ACCEPTED,
+    FRAME,
+    RECORDS_FLAG,
+    StepLinkError,
+    StepListener,
+    StepSender,
+)
 from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory
@@ -39,6 +46,15 @@ def _step(sequence: int, positions: int = 2) -> bytes:
     entries = [StepRequest(f"r{sequence}", tuple(range(positions)), 40 + sequence)]
     hidden = mx.full((1, positions, 64), sequence, mx.bfloat16)
     return wire.step_batch_bytes(entries, hidden, sequence)
+
+
+def _records(sequence: int) -> bytes:
+    """`_step(sequence)` as records."""
+    return step_records.encode(
+        [StepRequest(f"r{sequence}", (0, 1), 40 + sequence)],
+        mx.full((1, 2, 64), sequence, mx.bfloat16),
+        sequence,
+    )
 
 
 async def _until(condition, timeout_s: float = 5.0) -> None:
@@ -70,9 +86,38 @@ def test_steps_arrive_whole_and_in_order() -> None:
     run(go())
 
 
+def test_records_and_step_batches_arrive_whole_and_in_order() -> None:
+    """Decode steps as records between step batches on one stream: each arrives as it was
+    sent, records decoded (`StepRecords`), the rest parsed (`StepBatch`)."""
+
+    async def go() -> None:
+        received: list = []
+        listener = await _listening(received)
+        sender = await StepSender.open("127.0.0.1", listener.port, TOKEN)
+        for i in range(60):
+            await sender.send(_records(i), records=True) if i % 3 else await sender.send(_step(i))
+        await _until(lambda: len(received) == 60)
+        for i, message in enumerate(received):
+            if i % 3:
+                assert isinstance(message, step_records.StepRecords)
+                assert step_records.step_batch_of(_records(i)) == _step(i)
+            else:
+                assert message.SerializeToString() == _step(i)
+            assert message.sequence == i and message.entries[0].request_id == f"r{i}"
+        await sender.close()
+        await listener.close()
+
+    run(go())
+
+
 @pytest.mark.parametrize(
     ("frame", "why"),
-    [(FRAME.pack(3) + b"\xff\xff\xff", "a malformed step"), (FRAME.pack(2**31), "too large")],
+    [
+        (FRAME.pack(3) + b"\xff\xff\xff", "a malformed step"),
+        (FRAME.pack(RECORDS_FLAG | 3) + b"\xff\xff\xff", "malformed records"),
+        (FRAME.pack(2**31 - 1), "too large"),
+        (FRAME.pack(RECORDS_FLAG | 2**30 + 1), "records too large"),
+    ],
 )
 def test_a_bad_frame_ends_the_stream_and_the_sender_sees_it(frame: bytes, why: str) -> None:
     async def go() -> None:
@@ -117,7 +162,7 @@ def test_a_node_takes_steps_from_its_predecessor_over_tcp(solo) -> None:
         client = NodeClient(group.addresses[0], group.token)
         info = await client.info()
         await client.close()
-        assert info.step_port > 0
+        assert info.step_port > 0 and info.step_records
         downstream = Downstream(group.addresses[0], group.token)
         client = NodeClient(group.addresses[0], group.token)
         results = client.stub.Results(pb.ResultsRequest(), metadata=client.metadata)
@@ -129,6 +174,12 @@ def test_a_node_takes_steps_from_its_predecessor_over_tcp(solo) -> None:
             # stream would refuse it.
             batch = await asyncio.wait_for(results.read(), 10)
             assert [(e.request_id, e.message) for e in batch.errors] == [("r1", "no shard loaded")]
+            # The node said it reads records: a decode step goes as records, and is refused
+            # the same way.
+            assert downstream.takes_records
+            await downstream.send(_records(2), records=True)
+            batch = await asyncio.wait_for(results.read(), 10)
+            assert [(e.request_id, e.message) for e in batch.errors] == [("r2", "no shard loaded")]
         finally:
             results.cancel()
             await client.close()
@@ -150,9 +201,33 @@ def test_a_predecessor_that_cannot_reach_the_step_port_streams_over_grpc(solo, m
                 await downstream.send(_step(1))
             except grpc.aio.AioRpcError as error:
                 assert "no shard loaded" in error.details()
-            assert downstream.transport == "grpc"
+            assert downstream.transport == "grpc" and not downstream.takes_records
         finally:
             await downstream.close()
+
+    run(go())
+
+
+def test_records_for_a_stream_that_does_not_take_them_go_as_their_step_batch() -> None:
+    """A step encoded as records while the successor's TCP stream was up, sent after it was
+    replaced by a gRPC stream: it goes as the StepBatch it stands for."""
+
+    class Call:
+        def __init__(self) -> None:
+            self.written: list[bytes] = []
+
+        def done(self) -> bool:
+            return False
+
+        async def write(self, payload: bytes) -> None:
+            self.written.append(payload)
+
+    async def go() -> None:
+        downstream = Downstream("127.0.0.1:1", TOKEN)
+        downstream._call = call = Call()  # a gRPC stream, open
+        await downstream.send(_records(3), records=True)
+        await downstream.send(_step(4))
+        assert call.written == [_step(3), _step(4)]
 
     run(go())
 

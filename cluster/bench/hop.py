@@ -7,9 +7,9 @@ An echo server runs in a child process (a node is its own process); the client s
 decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
 is half the round trip, and each way does a hop's real work:
 
-  link       the nodes' step stream (`node.step_link`), as between nodes now: a `StepBatch` each
-             way over the product's TCP link (the server replies over a link of its own), the
-             same codec work as proto
+  link       the nodes' step stream (`node.step_link`), as between nodes now: the step as
+             records (`cluster.step_records`) each way over the product's TCP link (the server
+             replies over a link of its own), decoded and encoded again as a node does
   proto      grpc.aio bidi stream of `StepBatch`, as every hop under TLS: the sender
              serializes as a node sends on the step it received (`wire.forwarded_step_bytes`),
              the receiver parses (`StepBatch.FromString`) and decodes (entries + mx.array);
@@ -23,7 +23,8 @@ is half the round trip, and each way does a hop's real work:
              codec variant, timed first): the codec's CPU time with none of its memory traffic
   tcp        asyncio TCP echo of the same bytes, length-prefixed, no codec
   tcp+proto  the proto variant's work over that TCP framing instead of gRPC
-  codec      `cluster.wire` encode + parse + decode of the step alone, no network (per hop)
+  codec      the link's codec alone, no network (per hop): the step's records encoded and
+             decoded (its hidden states into MLX)
   codec-cold the codec variant with the thread asleep 100 us before each hop (not timed), as
              a hop's codec runs: on a thread that has just woken
   driver     a driver's two legs, as the driver takes them now: a step (tokens, no hidden
@@ -70,9 +71,9 @@ import msgpack
 import numpy as np
 from google.protobuf import wrappers_pb2
 
-from cluster import wire
+from cluster import step_records, wire
 from cluster.bench.common import bench_parser
-from cluster.messages import StepRequest, StepResult
+from cluster.messages import MAX_MTP_DEPTH, StepRequest, StepResult
 from node.results_link import ResultsLink
 from node.stage import Subscribers
 from node.step_link import StepListener, StepSender
@@ -105,7 +106,12 @@ class Row:
 
 
 def decode_size_step(shape: tuple[int, ...]) -> tuple[list[StepRequest], mx.array]:
-    entries = [StepRequest("chatcmpl-0123456789abcdef", (151_643, 9_707), 1234, draft_len=1)]
+    """One request's step of `shape[1]` positions: a token and its drafts, or (longer than
+    any MTP step) a prompt's chunk."""
+    n = shape[1]
+    tokens = tuple(range(151_643, 151_643 - n, -1))
+    drafts = n - 1 if n <= 1 + MAX_MTP_DEPTH else 0
+    entries = [StepRequest("chatcmpl-0123456789abcdef", tokens, 1234, draft_len=drafts)]
     hidden = mx.random.normal(shape, key=mx.random.key(0)).astype(mx.bfloat16)
     mx.eval(hidden)
     return entries, hidden
@@ -147,6 +153,29 @@ def received_step(step: tuple[list[StepRequest], mx.array]) -> pb.StepBatch:
 def forward_step(message: pb.StepBatch, hidden: mx.array) -> bytes:
     """A node's encode of its output: the entries it received, with its hidden states."""
     return wire.forwarded_step_bytes([message], hidden)
+
+
+def link_encode(entries: list[StepRequest], hidden: mx.array, sequence: int) -> tuple[bytes, bool]:
+    """A step as a node sends it on its step stream: (payload, whether it is records)."""
+    records = step_records.encode(entries, hidden, sequence)
+    if records is not None:
+        return records, True
+    return wire.step_batch_bytes(entries, hidden, sequence), False
+
+
+def link_decode(step: step_records.StepRecords | pb.StepBatch) -> tuple[list, mx.array]:
+    """A step from a node's step stream, decoded as the node decodes it."""
+    if isinstance(step, step_records.StepRecords):
+        return step.entries, step.hidden_array()
+    entries, hidden, _ = wire.step_batch_from_proto(step)
+    return entries, hidden
+
+
+def _link_echo_step(step: step_records.StepRecords | pb.StepBatch) -> tuple[bytes, bool]:
+    """A node's codec work on the step stream: decode the step, send it on with the layers'
+    output."""
+    entries, hidden = link_decode(step)
+    return link_encode(entries, _forward_output(hidden.shape, hidden.dtype), 0)
 
 
 def _proto_echo(msg: pb.StepBatch) -> bytes:
@@ -247,13 +276,13 @@ async def _link_echo(client_port: int) -> tuple[StepListener, asyncio.Task]:
     """The nodes' step stream both ways: each step decoded, encoded again and sent back over
     a link to the client's own listener, in order."""
     replies: asyncio.Queue[bytes] = asyncio.Queue()
-    listener = StepListener(LINK_TOKEN, lambda message: replies.put_nowait(_proto_echo(message)))
+    listener = StepListener(LINK_TOKEN, lambda step: replies.put_nowait(_link_echo_step(step)))
     await listener.start("127.0.0.1")
 
     async def send_back() -> None:
         sender = await StepSender.open("127.0.0.1", client_port, LINK_TOKEN)
         while True:
-            await sender.send(await replies.get())
+            await sender.send(*await replies.get())
 
     return listener, asyncio.create_task(send_back())
 
@@ -446,7 +475,7 @@ class _Link:
     client's `StepListener` (decoded as a node decodes a step)."""
 
     def __init__(self, step, inbox: asyncio.Queue) -> None:
-        self._received, self._hidden = received_step(step), step[1]
+        self._entries, self._hidden = step
         self._inbox = inbox
 
     async def open(self, port: int) -> _Link:
@@ -454,8 +483,8 @@ class _Link:
         return self
 
     async def round_trip(self, i: int) -> None:
-        await self._sender.send(forward_step(self._received, self._hidden))
-        wire.step_batch_from_proto(await self._inbox.get())
+        await self._sender.send(*link_encode(self._entries, self._hidden, i))
+        link_decode(await self._inbox.get())
 
     async def close(self) -> None:
         await self._sender.close()
@@ -506,16 +535,16 @@ class _Driver:
 
 
 class _Codec:
-    """The codec alone: each 'round trip' is two hops of encode + parse + decode, each hop
+    """The link's codec alone: each 'round trip' is two hops of encode + decode, each hop
     after `sleep_s` asleep (not timed) if given."""
 
     def __init__(self, step, sleep_s: float = 0.0) -> None:
-        self._received, self._hidden = received_step(step), step[1]
+        self._entries, self._hidden = step
         self._sleep_s = sleep_s
 
     def hop(self, i: int) -> None:
-        data = forward_step(self._received, self._hidden)
-        wire.step_batch_from_proto(pb.StepBatch.FromString(data))
+        data, records = link_encode(self._entries, self._hidden, i)
+        link_decode(step_records.decode(data) if records else pb.StepBatch.FromString(data))
 
     async def round_trip(self, i: int) -> int:
         if not self._sleep_s:
@@ -569,7 +598,7 @@ async def measure(
     """
     steps = {shape: decode_size_step(shape) for shape in shapes}
     busy = {shape: codec_ns(step) for shape, step in steps.items()}
-    inbox: asyncio.Queue[pb.StepBatch] = asyncio.Queue()  # the link echoes, one at a time
+    inbox: asyncio.Queue[step_records.StepRecords | pb.StepBatch] = asyncio.Queue()
     link_listener = StepListener(LINK_TOKEN, inbox.put_nowait)
     link_port = await link_listener.start("127.0.0.1") if "link" in variants else 0
     with contextlib.ExitStack() as servers:
