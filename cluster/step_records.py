@@ -5,8 +5,9 @@ token, on a thread that has just woken from waiting for it. As a `StepBatch` (`c
 that costs protobuf's Python objects: on an H200 host's CPU a hop's codec took 28 µs hot and
 51 µs cold, against a bare gRPC echo's 58-61 µs for the whole hop (BENCHMARKS.md, run AR). A
 step whose entries carry nothing but ids, tokens and positions packs into records that
-`struct` reads and writes in a few calls (0.57x the protobuf codec's time, cold), and its
-hidden states follow as raw bytes, which the node copies into MLX or its doorbell as they are.
+`struct` reads and writes in a few calls (0.53-0.60x the protobuf codec's time there, cold;
+run AS), and its hidden states follow as raw bytes, which the node copies into MLX or its
+doorbell as they are.
 
     header   u64 sequence, u64 epoch, u16 entries, u8 dtype (0: no hidden states, else 1 +
              its index in DTYPES), u32 width (the hidden size)
