@@ -110,10 +110,10 @@ def decode(data: bytes | memoryview) -> StepRecords:
         for _ in range(count):
             rid_len, n, drafts, position, rollback = ENTRY.unpack_from(data, offset)
             offset += ENTRY.size
-            rid = bytes(data[offset : offset + rid_len])
-            if len(rid) != rid_len:
+            raw_id = bytes(data[offset : offset + rid_len])
+            if len(raw_id) != rid_len:
                 raise struct.error("a request id past the frame's end")
-            rid = rid.decode()
+            rid = raw_id.decode()
             offset += rid_len
             tokens = struct.unpack_from(f"<{n}I", data, offset)
             offset += 4 * n

@@ -23,11 +23,12 @@ from typing import TypeVar
 
 import grpc
 
+from cluster import step_records
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine
 from cluster.local import even_ranges, shard_specs
 from cluster.messages import RequestError, StepRequest, StepResult
-from cluster.wire import results_from_proto, step_batch_to_proto
+from cluster.wire import results_from_proto, step_batch_bytes, step_batch_to_proto
 from node.auth import TLSConfig, open_channel, token_metadata
 from node.hop import split_host_port
 from node.results_link import ResultsLink
@@ -124,7 +125,9 @@ class RemotePipeline:
 
     `step_ports`: each node's TCP step port (`NodeInfo.step_port`, 0 where it serves none);
     the steps to the head and each node's results take them, and gRPC where a node has none,
-    where the driver speaks TLS, or where a port does not answer."""
+    where the driver speaks TLS, or where a port does not answer. `step_records`: the head
+    reads plain decode steps as records on that stream (`NodeInfo.step_records`,
+    `cluster.step_records`)."""
 
     def __init__(
         self,
@@ -136,9 +139,11 @@ class RemotePipeline:
         epoch: int = 0,
         micro_batches: int = 1,
         step_ports: list[int] | None = None,
+        step_records: bool = False,
     ):
         self.clients = clients
         self.step_ports = step_ports or [0] * len(clients)
+        self.step_records = step_records
         self.epoch = epoch  # LoadShardRequest.epoch of its shards; other epochs are ignored
         self.micro_batches = micro_batches  # the head's (LoadShardRequest.micro_batches)
         self._max_context = max_context
@@ -154,6 +159,7 @@ class RemotePipeline:
         self._releases: set[asyncio.Task] = set()
         self.failure: NodeUnavailable | None = None
         self.messages_sent = 0
+        self.records_sent = 0  # of messages_sent, those sent as step records
         # Told the ids of prefix snapshots a node no longer holds (cluster.decode.prefix_index).
         self.on_prefix_dropped: Callable[[list[int]], None] | None = None
 
@@ -301,11 +307,20 @@ class RemotePipeline:
                 while not self._outbox.empty():
                     steps.append(self._outbox.get_nowait())
                 for group in self._groups(steps):
-                    message = step_batch_to_proto(group, None, next(self._sequence), self.epoch)
-                    if self._head_link is not None:
-                        await self._head_link.send(message.SerializeToString())
+                    sequence = next(self._sequence)
+                    if self._head_link is None:
+                        await self._head_call.write(
+                            step_batch_to_proto(group, None, sequence, self.epoch)
+                        )
+                    elif self.step_records and (
+                        records := step_records.encode(group, None, sequence, self.epoch)
+                    ):
+                        await self._head_link.send(records, records=True)
+                        self.records_sent += 1
                     else:
-                        await self._head_call.write(message)
+                        await self._head_link.send(
+                            step_batch_bytes(group, None, sequence, self.epoch)
+                        )
                     self.messages_sent += 1
         except (
             grpc.aio.AioRpcError,
@@ -540,6 +555,7 @@ async def load_pipeline(
         epoch=epoch,
         micro_batches=groups,
         step_ports=[info.step_port for info in infos] if links else None,
+        step_records=links and infos[0].step_records,
     )
     await pipeline.start()
     return pipeline

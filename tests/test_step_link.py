@@ -382,6 +382,10 @@ def test_a_driver_streams_steps_and_results_over_tcp_with_the_grpc_tokens(
                 assert pipeline.transports == {"steps": expected, "results": [expected]}
                 outputs = await _generate_all(GenerationEngine(pipeline), prompts)
                 tokens[links] = [output.tokens for output in outputs]
+                # Over TCP the decode steps went as records (the first steps, with their
+                # options, as StepBatch messages).
+                sent = (pipeline.records_sent, pipeline.messages_sent)
+                assert 0 < sent[0] < sent[1] if links else sent[0] == 0
             finally:
                 await pipeline.close()
         assert tokens[True] == tokens[False] and all(len(t) == 12 for t in tokens[True])

@@ -27,8 +27,8 @@ is half the round trip, and each way does a hop's real work:
              decoded (its hidden states into MLX)
   codec-cold the codec variant with the thread asleep 100 us before each hop (not timed), as
              a hop's codec runs: on a thread that has just woken
-  driver     a driver's two legs, as the driver takes them now: a step (tokens, no hidden
-             states) to the head's step port as a step stream, and the tail's result back on
+  driver     a driver's two legs, as the driver takes them now: a step (tokens as records, no
+             hidden states) to the head's step port as a step stream, and the tail's result back on
              the driver's results stream from the same port (`node.results_link`), each
              decoded as the node and the driver decode them
   driver-grpc the same two legs over gRPC, as before (and under TLS): the Steps stream and the
@@ -234,15 +234,18 @@ _TCP_ECHOES: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
-def driver_step(i: int) -> bytes:
-    """A driver's decode step to the head: one request's tokens, no hidden states."""
+def driver_step(i: int, records: bool = False) -> bytes:
+    """A driver's decode step to the head: one request's tokens, no hidden states (as
+    records, as the driver sends it on the head's step stream)."""
     entries, _ = decode_size_step((1, 1, 1))
+    if records:
+        return step_records.encode(entries, None, i)
     return wire.step_batch_to_proto(entries, None, i).SerializeToString()
 
 
-def _tail_result(message: pb.StepBatch) -> pb.ResultBatch:
+def _tail_result(message: pb.StepBatch | step_records.StepRecords) -> pb.ResultBatch:
     """What a tail answers a step with, the layers and sampling left out."""
-    entries, _, _ = wire.step_batch_from_proto(message)
+    entries = link_decode(message)[0]
     results = [StepResult(e.request_id, (42,), keep=len(e.tokens)) for e in entries]
     return wire.results_to_proto(results, [])
 
@@ -518,7 +521,7 @@ class _Driver:
 
     async def round_trip(self, i: int) -> None:
         if self._variant == "driver":
-            await self._sender.send(driver_step(i))
+            await self._sender.send(driver_step(i, records=True), records=True)
             batch = await self._inbox.get()
         else:
             await self._steps.write(driver_step(i))
