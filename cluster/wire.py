@@ -145,13 +145,13 @@ def tensor_from_proto(t: pb.Tensor) -> mx.array:
     return array_from_bytes(t.data, t.dtype, tuple(t.shape))
 
 
-def array_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> mx.array:
-    """The array of raw little-endian bytes of the wire dtype `dtype_name` (see `_DTYPES`);
+def array_from_bytes(data: bytes, wire_dtype: str, shape: tuple[int, ...]) -> mx.array:
+    """The array of raw little-endian bytes of `wire_dtype` (a name of `_DTYPES`);
     `WireError` if they do not make `shape`."""
-    dtype, np_dtype, nbytes = _tensor_spec(dtype_name, shape)
+    dtype, np_dtype, nbytes = _tensor_spec(wire_dtype, shape)
     if len(data) != nbytes:
         raise WireError(
-            f"tensor of shape {list(shape)} and dtype {dtype_name} needs {nbytes} bytes, "
+            f"tensor of shape {list(shape)} and dtype {wire_dtype} needs {nbytes} bytes, "
             f"got {len(data)}"
         )
     a = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))

@@ -163,7 +163,9 @@ def link_encode(entries: list[StepRequest], hidden: mx.array, sequence: int) -> 
     return wire.step_batch_bytes(entries, hidden, sequence), False
 
 
-def link_decode(step: step_records.StepRecords | pb.StepBatch) -> tuple[list, mx.array]:
+def link_decode(
+    step: step_records.StepRecords | pb.StepBatch,
+) -> tuple[list[StepRequest], mx.array | None]:
     """A step from a node's step stream, decoded as the node decodes it."""
     if isinstance(step, step_records.StepRecords):
         return step.entries, step.hidden_array()
@@ -278,7 +280,7 @@ def _tcp_handler(echo: Callable[[bytes], bytes]) -> Callable:
 async def _link_echo(client_port: int) -> tuple[StepListener, asyncio.Task]:
     """The nodes' step stream both ways: each step decoded, encoded again and sent back over
     a link to the client's own listener, in order."""
-    replies: asyncio.Queue[bytes] = asyncio.Queue()
+    replies: asyncio.Queue[tuple[bytes, bool]] = asyncio.Queue()  # (payload, records)
     listener = StepListener(LINK_TOKEN, lambda step: replies.put_nowait(_link_echo_step(step)))
     await listener.start("127.0.0.1")
 
