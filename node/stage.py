@@ -453,14 +453,15 @@ class Stage:
         dtype, width = dtype_name(self.runner.hidden_dtype), self.runner.shard.hidden_size
         parts = []
         for item in batch:
-            message, n = item.message, len(item.message.entries)
+            message, shape = item.message, (1, len(item.message.entries), width)
             if isinstance(message, StepRecords):
-                hidden_dtype, shape, data = message.dtype, message.hidden_shape, message.hidden
+                if message.dtype != dtype or message.hidden_shape != shape:
+                    return None
+                parts.append(message.hidden)
             else:
-                hidden_dtype, shape, data = message.hidden.dtype, message.hidden.shape, None
-            if hidden_dtype != dtype or tuple(shape) != (1, n, width):
-                return None
-            parts.append(message.hidden.data if data is None else data)
+                if message.hidden.dtype != dtype or tuple(message.hidden.shape) != shape:
+                    return None
+                parts.append(message.hidden.data)  # a copy: read once it is known to fit
         data = b"".join(parts)
         return data if len(data) == self.runner.input_nbytes(entries) else None
 

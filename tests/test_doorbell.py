@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -195,7 +196,8 @@ def test_a_doorbell_rung_without_data_is_not_used(shards, tokenizer) -> None:
 
 async def _tail_stage_tokens(shards, prompt: tuple[int, ...], doorbell: bool) -> list[int]:
     """A tail node's stage (its doorbell 'on', or none) fed the head's step messages: the
-    prompt, a plain step, a pause of three AHEAD_WAIT_S with no message, a plain step."""
+    prompt, a plain step, a pause with no message until the step built ahead is released
+    (longer than AHEAD_WAIT_S), a plain step."""
     head_shard, tail_shard = shards
     head, head_worker = ShardRunner(head_shard), MLXWorker(spin_s=0)
     runner, worker = ShardRunner(tail_shard), MLXWorker(spin_s=0)
@@ -218,11 +220,15 @@ async def _tail_stage_tokens(shards, prompt: tuple[int, ...], doorbell: bool) ->
     try:
         await step(StepRequest("a", prompt, 0, options=RequestOptions(mtp=False)))
         await step(StepRequest("a", (tokens[-1],), len(prompt)))
-        if doorbell:
-            assert stage.doorbell.pending is not None  # the next step, built ahead
-        await asyncio.sleep(3 * AHEAD_WAIT_S)
-        if doorbell:
-            assert stage.doorbell.pending is None  # released by the stage's timer
+        if doorbell:  # the next step, built ahead, released by the stage's timer
+            built = time.perf_counter()
+            assert stage.doorbell.pending is not None
+            async with asyncio.timeout(30 * AHEAD_WAIT_S):
+                while stage.doorbell.pending is not None:
+                    await asyncio.sleep(AHEAD_WAIT_S / 20)
+            assert time.perf_counter() - built >= AHEAD_WAIT_S * 0.9
+        else:
+            await asyncio.sleep(2 * AHEAD_WAIT_S)  # the same pause, with nothing to release
         await step(StepRequest("a", (tokens[-1],), len(prompt) + 1))
         if doorbell:  # the step built ahead was undone, the one that came ran as it came
             assert (runner.steps_ahead_used, runner.steps_ahead_undone) == (0, 1)
@@ -246,7 +252,6 @@ def test_a_step_built_ahead_that_no_message_rings_is_released(shards, tokenizer)
 @pytest.mark.skipif(not ON_CUDA, reason="MLX CUDA only")
 def test_the_pinned_doorbell_launches_before_its_input_exists() -> None:
     import threading
-    import time
 
     doorbell = PinnedDoorbell()
     seq = doorbell.prepare(12)
