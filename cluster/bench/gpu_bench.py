@@ -1278,25 +1278,67 @@ async def _paired_concurrency(
         return out
     settings = {"micro_batched": None, "one_batch": 1}
     runs: dict[str, list[float]] = {name: [] for name in settings}
+    loads: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
     for name in [*settings, *settings]:
         remote = await open_remote_engine(
             path, addresses, token=token, micro_batches=settings[name]
         )
         try:
             await concurrent_decode(remote.engine, prompt, warm_tokens(args), args.concurrent)
-            one = await engine_decode(remote.engine, prompt, args.tokens, 1, True)
-            batch = await concurrent_decode(remote.engine, prompt, args.tokens, args.concurrent)
+            one_decode = engine_decode(remote.engine, prompt, args.tokens, 1, True)
+            one_load = await _node_load(remote, one_decode)
+            one = one_load.pop("result")
+            many = concurrent_decode(remote.engine, prompt, args.tokens, args.concurrent)
+            load = await _node_load(remote, many)
+            batch = load.pop("result")
         finally:
             await remote.close()
         runs[name].append(batch["aggregate_tps"] / one["median_tps"])
+        loads[name].append({"one_request": one_load, "concurrent": load})
+        per_node = zip(
+            one_load["step_ms"],
+            load["step_ms"],
+            one_load["busy_share"],
+            load["busy_share"],
+            strict=True,
+        )
         print(
             f"  {args.paired_nodes} nodes, {args.concurrent} concurrent MTP on ({name}): "
-            f"{batch['aggregate_tps']:.1f} tok/s, {runs[name][-1]:.2f}x one request",
+            f"{batch['aggregate_tps']:.1f} tok/s, {runs[name][-1]:.2f}x one request; per node "
+            "(one request / concurrent) "
+            + ", ".join(
+                f"step {a:.2f} / {b:.2f} ms, busy {c:.0%} / {d:.0%}" for a, b, c, d in per_node
+            ),
             flush=True,
         )
     out["nodes_over_one_request"] = {name: median(r) for name, r in runs.items()}
     out["nodes_runs_over_one_request"] = runs
+    out["node_load"] = loads
     return out
+
+
+async def _node_load(remote: Any, decode: Any) -> dict[str, Any]:
+    """Run `decode` (a coroutine) and say how busy each node was meanwhile: its step batches,
+    their mean compute time (`step_ms`), their share of the wall time (`busy_share`; prefill
+    included) and the step messages per batch (several requests' steps may form one batch).
+    `result` is what `decode` returned."""
+    clients = remote.pipeline.clients
+    before = [await c.info() for c in clients]
+    started = time.perf_counter()
+    result = await decode
+    wall = time.perf_counter() - started
+    after = [await c.info() for c in clients]
+    batches = [a.batches_total - b.batches_total for a, b in zip(after, before, strict=True)]
+    busy = [a.busy_seconds_total - b.busy_seconds_total for a, b in zip(after, before, strict=True)]
+    messages = [a.steps_total - b.steps_total for a, b in zip(after, before, strict=True)]
+    return {
+        "result": result,
+        "wall_s": wall,
+        "batches": batches,
+        "step_ms": [1e3 * s / max(n, 1) for s, n in zip(busy, batches, strict=True)],
+        "busy_share": [s / wall for s in busy],
+        "messages_per_batch": [m / max(n, 1) for m, n in zip(messages, batches, strict=True)],
+    }
 
 
 async def _read_lines(

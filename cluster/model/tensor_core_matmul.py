@@ -18,7 +18,12 @@ Its design:
   bytes), dequantizes them to 16-bit floats as MLX's own kernels do (`q * scale + bias`, the
   nibble made a float exactly by `0x4300 | q`, the bfloat16 `128 + q`, less 128), and feeds
   them to eight k16 steps per 8 rows. Which input a lane supplies at which k of the mma is a
-  permutation of the input axis, the same for the weights and the rows, so the sum is too.
+  permutation of the input axis, the same for the weights and the rows, so the sum is too;
+- the loads are what bounds it: each warp keeps `DEPTH` spans of weights, scales and biases in
+  flight ahead of the one it multiplies, and reads its rows' inputs 16 bytes at a time (eight
+  of them, two k16 steps; they were 8-byte loads, one per step, whose latency and count cost
+  a 16-row step 1.5x an 8-row one: 0.168 against 0.114 ms a 27B MLP pair on an H200, now
+  0.125 against 0.100; BENCHMARKS.md, run AT).
 
 Each row's sums are formed in an order that does not depend on the other rows, but not in the
 few-row kernel's or MLX's order: a row's output differs from theirs in the last bits, as MLX's
@@ -42,6 +47,7 @@ __all__ = ["MAX_ROWS", "MIN_ROWS", "takes", "tensor_core_quantized_matmul"]
 MIN_ROWS = 4
 MAX_ROWS = 32  # four 8-row tiles per warp
 WARPS = 4  # per block, splitting the input axis
+DEPTH = 2  # spans of weights in flight per warp
 GROUP_SIZES = (32, 64, 128)
 SPAN = 128  # inputs per step of a warp: the width must be a multiple
 
@@ -90,14 +96,15 @@ __device__ __forceinline__ pair_t pair_of(float v) { return __floats2half2_rn(v,
 """,
 }
 
-# Template constants: T (input dtype), TILES (8-row tiles), GROUP. Inputs: x [R, K], w [N, K / 8]
-# uint32, scales and biases [N, K / GROUP]. Output y [R, N]. One block of 4 warps per 16 output
-# columns. The input axis goes in spans of 128: lane (g, t) loads 16 bytes (32 values) of weight
-# rows g and g + 8 at span offset 32 t, so a row's 64 bytes are read by 4 neighbouring lanes.
-# The mma's k index is a permutation of the input's: in k16 step j the lane supplies its values
-# 4j .. 4j + 3 for both the weights and the rows of x, so the sum is the same.
+# Template constants: T (input dtype), TILES (8-row tiles), GROUP, WARPS (warps per block,
+# splitting the input axis), DEPTH (spans of weights in flight ahead of the one multiplied).
+# Inputs: x [R, K], w [N, K / 8] uint32, scales and biases [N, K / GROUP]. Output y [R, N]. One
+# block per 16 output columns. The input axis goes in spans of 128: lane (g, t) loads 16 bytes
+# (32 values) of weight rows g and g + 8 at span offset 32 t, so a row's 64 bytes are read by 4
+# neighbouring lanes, and 16 bytes of each of its rows of x at a time. The mma's k index is a
+# permutation of the input's: in k16 step j the lane supplies its values 4j .. 4j + 3 for both
+# the weights and the rows of x, so the sum is the same.
 _SOURCE = """
-  constexpr int WARPS_PER_BLOCK = 4;
   const int rows = x_shape[0];
   const int k_in = x_shape[1];
   const int n_out = w_shape[0];
@@ -113,55 +120,82 @@ _SOURCE = """
   const int m_hi = min(col0 + g + 8, n_out - 1);
   const uint4* w_lo = reinterpret_cast<const uint4*>(w + size_t(m_lo) * k_words) + t;
   const uint4* w_hi = reinterpret_cast<const uint4*>(w + size_t(m_hi) * k_words) + t;
+  const T* scales_lo = scales + size_t(m_lo) * groups;
+  const T* scales_hi = scales + size_t(m_hi) * groups;
+  const T* biases_lo = biases + size_t(m_lo) * groups;
+  const T* biases_hi = biases + size_t(m_hi) * groups;
 
   float acc[TILES][4];
 #pragma unroll
   for (int i = 0; i < TILES; ++i) {
     acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   }
-  const int begin = (spans * warp) / WARPS_PER_BLOCK;
-  const int end = (spans * (warp + 1)) / WARPS_PER_BLOCK;
-  uint4 next_lo = begin < end ? w_lo[4 * begin] : make_uint4(0, 0, 0, 0);
-  uint4 next_hi = begin < end ? w_hi[4 * begin] : make_uint4(0, 0, 0, 0);
-  for (int span = begin; span < end; ++span) {
-    const uint4 lo = next_lo;
-    const uint4 hi = next_hi;
-    if (span + 1 < end) {  // the next span's weights in flight while this one multiplies
-      next_lo = w_lo[4 * (span + 1)];
-      next_hi = w_hi[4 * (span + 1)];
-    }
-    const int k0 = span * 128 + 32 * t;  // this lane's 32 inputs
-    const int group = k0 / GROUP;
-    const pair_t s_lo = pair_of(static_cast<float>(scales[size_t(m_lo) * groups + group]));
-    const pair_t b_lo = pair_of(static_cast<float>(biases[size_t(m_lo) * groups + group]));
-    const pair_t s_hi = pair_of(static_cast<float>(scales[size_t(m_hi) * groups + group]));
-    const pair_t b_hi = pair_of(static_cast<float>(biases[size_t(m_hi) * groups + group]));
-    const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
-    const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
+  const int begin = (spans * warp) / WARPS;
+  const int end = (spans * (warp + 1)) / WARPS;
+  // DEPTH spans of weights, scales and biases in flight: the loop multiplies one while the
+  // loads of the next ones are outstanding (a span's own work is too short to hide one).
+  uint4 lo_in[DEPTH], hi_in[DEPTH];
+  T scale_lo_in[DEPTH], scale_hi_in[DEPTH], bias_lo_in[DEPTH], bias_hi_in[DEPTH];
+#define LOAD_SPAN(slot, span)                              \
+  {                                                        \
+    const int group_ = ((span) * 128 + 32 * t) / GROUP;    \
+    lo_in[slot] = w_lo[4 * (span)];                        \
+    hi_in[slot] = w_hi[4 * (span)];                        \
+    scale_lo_in[slot] = scales_lo[group_];                 \
+    scale_hi_in[slot] = scales_hi[group_];                 \
+    bias_lo_in[slot] = biases_lo[group_];                  \
+    bias_hi_in[slot] = biases_hi[group_];                  \
+  }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int shift = 16 * (j & 1);
-      uint32_t a[4];
-      a[0] = dequantized_pair(lo_words[j >> 1] >> shift, s_lo, b_lo);
-      a[1] = dequantized_pair(hi_words[j >> 1] >> shift, s_hi, b_hi);
-      a[2] = dequantized_pair(lo_words[j >> 1] >> (shift + 8), s_lo, b_lo);
-      a[3] = dequantized_pair(hi_words[j >> 1] >> (shift + 8), s_hi, b_hi);
+  for (int d = 0; d < DEPTH; ++d) {
+    if (begin + d < end) LOAD_SPAN(d, begin + d);
+  }
+  for (int base = begin; base < end; base += DEPTH) {
 #pragma unroll
-      for (int i = 0; i < TILES; ++i) {
-        const int r = i * 8 + g;
-        uint32_t b[2] = {0u, 0u};
-        if (r < rows) {
-          const uint2 v = *reinterpret_cast<const uint2*>(x + size_t(r) * k_in + k0 + 4 * j);
-          b[0] = v.x;
-          b[1] = v.y;
+    for (int d = 0; d < DEPTH; ++d) {
+      const int span = base + d;
+      if (span >= end) break;
+      const uint4 lo = lo_in[d];
+      const uint4 hi = hi_in[d];
+      const pair_t s_lo = pair_of(static_cast<float>(scale_lo_in[d]));
+      const pair_t b_lo = pair_of(static_cast<float>(bias_lo_in[d]));
+      const pair_t s_hi = pair_of(static_cast<float>(scale_hi_in[d]));
+      const pair_t b_hi = pair_of(static_cast<float>(bias_hi_in[d]));
+      if (span + DEPTH < end) LOAD_SPAN(d, span + DEPTH);
+      const int k0 = span * 128 + 32 * t;  // this lane's 32 inputs
+      const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
+      const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int half = 0; half < 4; ++half) {  // k16 steps 2 half and 2 half + 1
+        uint4 xs[TILES];  // 8 inputs of each row: the two steps' b fragments
+#pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+          const int r = i * 8 + g;
+          xs[i] = r < rows
+              ? *reinterpret_cast<const uint4*>(x + size_t(r) * k_in + k0 + 8 * half)
+              : make_uint4(0u, 0u, 0u, 0u);
         }
-        mma_16816(acc[i], a, b);
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd) {
+          const int shift = 16 * odd;
+          uint32_t a[4];
+          a[0] = dequantized_pair(lo_words[half] >> shift, s_lo, b_lo);
+          a[1] = dequantized_pair(hi_words[half] >> shift, s_hi, b_hi);
+          a[2] = dequantized_pair(lo_words[half] >> (shift + 8), s_lo, b_lo);
+          a[3] = dequantized_pair(hi_words[half] >> (shift + 8), s_hi, b_hi);
+#pragma unroll
+          for (int i = 0; i < TILES; ++i) {
+            uint32_t b[2] = {odd ? xs[i].z : xs[i].x, odd ? xs[i].w : xs[i].y};
+            mma_16816(acc[i], a, b);
+          }
+        }
       }
     }
   }
+#undef LOAD_SPAN
 
   // The warps' sums meet in shared memory; warp 0 adds them in warp order and writes.
-  __shared__ float shared_acc[WARPS_PER_BLOCK - 1][TILES * 4][32];
+  __shared__ float shared_acc[WARPS - 1][TILES * 4][32];
   if (warp > 0) {
 #pragma unroll
     for (int i = 0; i < TILES; ++i) {
@@ -181,7 +215,7 @@ _SOURCE = """
     for (int j = 0; j < 4; ++j) {
       float v = acc[i][j];
 #pragma unroll
-      for (int other = 0; other < WARPS_PER_BLOCK - 1; ++other) {
+      for (int other = 0; other < WARPS - 1; ++other) {
         v += shared_acc[other][i * 4 + j][lane];
       }
       const int r = i * 8 + 2 * t + (j & 1);
@@ -212,11 +246,20 @@ def _kernel(bf16: bool) -> Callable:
 
 
 def tensor_core_quantized_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    warps: int = WARPS,
+    depth: int = DEPTH,
 ) -> mx.array:
     """`x @ dequantize(w).T` for `x` of shape [rows, K], `MIN_ROWS` <= rows <= `MAX_ROWS`,
     and 4-bit `w`, as `mx.quantized_matmul(x, w, scales, biases, transpose=True)` computes it
-    (CUDA only)."""
+    (CUDA only). `warps` split the input axis in a block (the sums' order, so a row's output,
+    depends on it; not on the other rows); `depth` is how many spans of weights each warp has
+    in flight (the output does not depend on it)."""
     rows, width = x.shape
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"the tensor-core kernel takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -227,9 +270,10 @@ def tensor_core_quantized_matmul(
     n_out = w.shape[0]
     (y,) = _kernel(x.dtype == mx.bfloat16)(
         inputs=[x, w, scales, biases],
-        template=[("T", x.dtype), ("TILES", -(-rows // 8)), ("GROUP", group_size)],
-        grid=(-(-n_out // 16) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        template=[("T", x.dtype), ("TILES", -(-rows // 8)), ("GROUP", group_size),
+                  ("WARPS", warps), ("DEPTH", depth)],
+        grid=(-(-n_out // 16) * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, n_out)],
         output_dtypes=[x.dtype],
     )  # fmt: skip
