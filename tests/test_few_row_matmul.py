@@ -127,6 +127,32 @@ def test_the_kernels_refuse_what_they_cannot_compute(kernel, rows, width, dtype,
         _matmul(kernel, layer, mx.zeros((rows, width), dtype))
 
 
+@pytest.mark.parametrize(("warps", "depth"), [(1, 2), (33, 2), (4, 0), (4, 9)])
+def test_the_tensor_core_kernel_refuses_a_launch_it_cannot_compile(warps, depth) -> None:
+    layer = _quantized(128, 16)
+    arrays = (layer.weight, layer.scales, layer.biases)
+    with pytest.raises(ValueError, match="2-32 warps, 1-8 spans deep"):
+        tensor_core_quantized_matmul(
+            mx.zeros((8, 128), mx.bfloat16), *arrays, group_size=64, warps=warps, depth=depth
+        )
+
+
+@on_cuda
+def test_the_tensor_core_kernel_computes_the_same_at_every_depth() -> None:
+    """How many spans of weights a warp has in flight changes when its loads are issued, not
+    the order of its sums: the output is the same bit for bit."""
+    mx.random.seed(2)
+    layer = _quantized(1152, 301)
+    arrays = (layer.weight, layer.scales, layer.biases)
+    for rows in (4, 13, 32):
+        x = mx.random.normal((rows, 1152)).astype(mx.bfloat16)
+        outputs = [
+            tensor_core_quantized_matmul(x, *arrays, group_size=64, depth=depth)
+            for depth in (1, 2, 3, 8)
+        ]
+        assert all(mx.array_equal(y, outputs[0]) for y in outputs[1:]), rows
+
+
 @on_cuda
 @pytest.mark.parametrize(
     ("kernel", "dtype", "bits", "group_size", "steps"),

@@ -267,6 +267,10 @@ def tensor_core_quantized_matmul(
         raise ValueError(f"the tensor-core kernel takes 2-byte floats, got {x.dtype}")
     if group_size not in GROUP_SIZES or width % SPAN or width != w.shape[1] * 8:
         raise ValueError(f"inputs of width {width} do not fit 4-bit weights of shape {w.shape}")
+    if not (2 <= warps <= 32 and 1 <= depth <= 8):
+        raise ValueError(
+            f"the tensor-core kernel takes 2-32 warps, 1-8 spans deep: {warps}, {depth}"
+        )
     n_out = w.shape[0]
     (y,) = _kernel(x.dtype == mx.bfloat16)(
         inputs=[x, w, scales, biases],
