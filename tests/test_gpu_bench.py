@@ -82,6 +82,15 @@ def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     assert paired["concurrent"]["one_process_mtp_ahead_over_waiting"] > 0
     runs = paired["concurrent"]["nodes_runs_over_one_request"]
     assert [len(runs["micro_batched"]), len(runs["one_batch"])] == [2, 2]
+    # How busy each node was in each of those decodes: its batches, their compute time, their
+    # share of the wall time; a request's steps are one message each.
+    for load in paired["concurrent"]["node_load"]["micro_batched"]:
+        for decode in (load["one_request"], load["concurrent"]):
+            assert len(decode["batches"]) == 2 and all(n > 0 for n in decode["batches"])
+            assert all(0 < share <= 1 for share in decode["busy_share"])
+            assert all(ms > 0 for ms in decode["step_ms"])
+            assert all(m >= 1 for m in decode["messages_per_batch"])
+    assert "concurrent MTP on (micro_batched): " in stdout and ", busy " in stdout
     assert "side by side, median of 1 rounds' ratios" in stdout
 
 
