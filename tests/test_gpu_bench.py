@@ -83,7 +83,7 @@ def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:
     runs = paired["concurrent"]["nodes_runs_over_one_request"]
     assert [len(runs["micro_batched"]), len(runs["one_batch"])] == [2, 2]
     # How busy each node was in each of those decodes: its batches, their compute time, their
-    # share of the wall time; a request's steps are one message each.
+    # share of the wall time, and the step messages each batch was formed from (one or more).
     for load in paired["concurrent"]["node_load"]["micro_batched"]:
         for decode in (load["one_request"], load["concurrent"]):
             assert len(decode["batches"]) == 2 and all(n > 0 for n in decode["batches"])

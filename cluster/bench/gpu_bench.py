@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -1317,7 +1317,7 @@ async def _paired_concurrency(
     return out
 
 
-async def _node_load(remote: Any, decode: Any) -> dict[str, Any]:
+async def _node_load(remote: Any, decode: Awaitable[dict[str, Any]]) -> dict[str, Any]:
     """Run `decode` (a coroutine) and say how busy each node was meanwhile: its step batches,
     their mean compute time (`step_ms`), their share of the wall time (`busy_share`; prefill
     included) and the step messages per batch (several requests' steps may form one batch).
