@@ -58,6 +58,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.bench.common import bench_parser, free_port, machine, median, spread, write_json
+from cluster.bench.nodes import NodeSnapshot
+from cluster.bench.nodes import breakdown as node_breakdown
 from cluster.bench.oracle_node import add_node_options, install_oracle, remove_oracle
 from cluster.bench.random_checkpoint import SHAPES, bench_prompt, default_dir, write_checkpoint
 from cluster.bench.split_step import idle_steps, split_steps
@@ -1318,27 +1320,40 @@ async def _paired_concurrency(
 
 
 async def _node_load(remote: Any, decode: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """Run `decode` (a coroutine) and say how busy each node was meanwhile: its step batches,
-    their mean compute time (`step_ms`), their share of the wall time (`busy_share`; prefill
-    included) and the step messages per batch (several requests' steps may form one batch).
-    `result` is what `decode` returned."""
+    """Run `decode` (a coroutine) and say how busy each node was meanwhile, from its own
+    counters (`cluster.bench.nodes.breakdown`): its step batches, their mean compute time
+    (`step_ms`), their share of the wall time (`busy_share`; prefill included) and the step
+    messages per batch (several requests' steps may form one batch). `result` is what
+    `decode` returned."""
     clients = remote.pipeline.clients
-    before = [await c.info() for c in clients]
+    before = await _node_counters(clients)
     started = time.perf_counter()
     result = await decode
     wall = time.perf_counter() - started
-    after = [await c.info() for c in clients]
-    batches = [a.batches_total - b.batches_total for a, b in zip(after, before, strict=True)]
-    busy = [a.busy_seconds_total - b.busy_seconds_total for a, b in zip(after, before, strict=True)]
-    messages = [a.steps_total - b.steps_total for a, b in zip(after, before, strict=True)]
+    rows = node_breakdown(before, await _node_counters(clients), wall)
     return {
         "result": result,
         "wall_s": wall,
-        "batches": batches,
-        "step_ms": [1e3 * s / max(n, 1) for s, n in zip(busy, batches, strict=True)],
-        "busy_share": [s / wall for s in busy],
-        "messages_per_batch": [m / max(n, 1) for m, n in zip(messages, batches, strict=True)],
+        "batches": [row["batches"] for row in rows],
+        "step_ms": [row["step_ms"] or 0.0 for row in rows],
+        "busy_share": [row["busy_share"] for row in rows],
+        "messages_per_batch": [row["messages"] / max(row["batches"], 1) for row in rows],
     }
+
+
+async def _node_counters(clients: list[Any]) -> NodeSnapshot:
+    """The nodes' step counters, head first, as `node_breakdown` reads them."""
+    snapshot: NodeSnapshot = {}
+    for i, client in enumerate(clients):
+        info = await client.info()
+        snapshot[str(i)] = {
+            "start": info.shard.start,
+            "end": info.shard.end,
+            "batches_total": info.batches_total,
+            "busy_seconds_total": info.busy_seconds_total,
+            "steps_total": info.steps_total,
+        }
+    return snapshot
 
 
 async def _read_lines(
