@@ -35,12 +35,13 @@ HEADER = struct.Struct("<QQHBI")
 ENTRY = struct.Struct("<HBBIH")
 DTYPES = (("bfloat16", 2), ("float16", 2), ("float32", 4))  # (name, bytes per value)
 _CODES = {name: code for code, (name, _) in enumerate(DTYPES, start=1)}
+_TOKENS = [struct.Struct(f"<{n}I") for n in range(256)]  # an entry's u32 tokens, by count
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: its __init__ would cost 4x, once per hop per step
 class StepRecords:
     """A decoded records frame: a `StepBatch`'s `entries`, `sequence` and `epoch`, and its
-    hidden states as raw bytes (`dtype` None where it has none)."""
+    hidden states as raw bytes (`dtype` None where it has none). Read only."""
 
     entries: list[StepRequest]
     sequence: int
@@ -90,7 +91,7 @@ def encode(
             parts += (
                 ENTRY.pack(len(rid), n, e.draft_len, e.position, e.rollback),
                 rid,
-                struct.pack(f"<{n}I", *e.tokens),
+                _TOKENS[n].pack(*e.tokens),  # n < 256: ENTRY's u8 refused more already
             )
     except struct.error:  # a value out of the records' range: protobuf's varints take it
         return None
@@ -107,29 +108,29 @@ def decode(data: bytes | memoryview) -> StepRecords:
         sequence, epoch, count, dtype, width = HEADER.unpack_from(data)
         offset = HEADER.size
         entries = []
+        positions = 0
         for _ in range(count):
             rid_len, n, drafts, position, rollback = ENTRY.unpack_from(data, offset)
             offset += ENTRY.size
-            raw_id = bytes(data[offset : offset + rid_len])
-            if len(raw_id) != rid_len:
+            if offset + rid_len > len(data):
                 raise struct.error("a request id past the frame's end")
-            rid = raw_id.decode()
-            offset += rid_len
-            tokens = struct.unpack_from(f"<{n}I", data, offset)
-            offset += 4 * n
+            rid = str(data[offset : offset + rid_len], "utf-8")
+            tokens = _TOKENS[n].unpack_from(data, offset + rid_len)
+            offset += rid_len + 4 * n
+            positions += n
             entries.append(StepRequest(rid, tokens, position, drafts, rollback))
     except (struct.error, UnicodeDecodeError) as error:
         raise WireError(f"a malformed step records frame ({error})") from None
     if dtype > len(DTYPES):
         raise WireError(f"a step records frame of dtype code {dtype}")
     name, itemsize = DTYPES[dtype - 1] if dtype else (None, 0)
-    shape = (1, sum(len(e.tokens) for e in entries), width)
     hidden = bytes(data[offset:])
-    if len(hidden) != shape[1] * width * itemsize:
+    if len(hidden) != positions * width * itemsize:
         raise WireError(
-            f"a step records frame's hidden states of {name} {list(shape)} in {len(hidden)} bytes"
+            f"a step records frame's hidden states of {name} {[1, positions, width]} in "
+            f"{len(hidden)} bytes"
         )
-    return StepRecords(entries, sequence, epoch, name, shape, hidden)
+    return StepRecords(entries, sequence, epoch, name, (1, positions, width), hidden)
 
 
 def step_batch_of(data: bytes) -> bytes:

@@ -14,7 +14,14 @@ import logging
 import socket
 from collections.abc import Callable
 
-from node.step_link import ACCEPTED, FRAME, RESULTS_MAGIC, FrameError, StepLinkError, take_frames
+from node.step_link import (
+    ACCEPTED,
+    FRAME,
+    RESULTS_MAGIC,
+    FrameError,
+    FrameReader,
+    StepLinkError,
+)
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -34,7 +41,7 @@ class ResultsLink(asyncio.Protocol):
         self._token = token
         self._on_batch = on_batch
         self._on_closed = on_closed
-        self._buffer = bytearray()
+        self._reader = FrameReader(pb.ResultBatch, "result batch")
         self._transport: asyncio.Transport | None = None
         self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._closing = False
@@ -73,15 +80,14 @@ class ResultsLink(asyncio.Protocol):
         transport.write(RESULTS_MAGIC + FRAME.pack(len(self._token)) + self._token)
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
         if not self._accepted.done():
-            if self._buffer[:1] != ACCEPTED:
+            if data[:1] != ACCEPTED:
                 self._end("refused the results stream (a wrong cluster token?)")
                 return
-            del self._buffer[:1]
+            data = data[1:]
             self._accepted.set_result(None)
         try:
-            for batch in take_frames(self._buffer, pb.ResultBatch, "result batch"):
+            for batch in self._reader.frames(data):
                 self._on_batch(batch)
         except FrameError as error:
             self._end(f"sent {error}")

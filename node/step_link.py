@@ -72,30 +72,48 @@ class FrameError(ValueError):
 Message = TypeVar("Message", pb.StepBatch, pb.ResultBatch)
 
 
-def take_frames(
-    buffer: bytearray, kind: type[Message], what: str, records: bool = False
-) -> Iterator[Message | StepRecords]:
-    """The messages of the whole frames at the start of `buffer` (u32 length, a serialized
-    `kind`; with `records`, also step records frames), each removed from it as it is yielded
-    and parsed from the buffer itself, not from a copy; a frame over MAX_FRAME_BYTES, or one
-    that is not a `what`, raises FrameError."""
-    while len(buffer) >= FRAME.size:
-        (size,) = FRAME.unpack_from(buffer)
-        parse = kind.FromString
-        if records and size & RECORDS_FLAG:
-            size, parse = size & ~RECORDS_FLAG, step_records.decode
-        if size > MAX_FRAME_BYTES:
-            raise FrameError(f"a {size}-byte frame")
-        end = FRAME.size + size
-        if len(buffer) < end:
-            return
-        with memoryview(buffer) as view, view[FRAME.size : end] as frame:
-            try:
-                message = parse(frame)
-            except (DecodeError, WireError, RequestError) as error:
-                raise FrameError(f"a malformed {what} ({error})") from None
-        del buffer[:end]  # once no view holds the buffer: it cannot shrink while one does
-        yield message
+class FrameReader:
+    """The messages of a stream's whole frames (u32 length, a serialized `kind`; with
+    `records`, also step records frames), read by read. A read that starts with no partial
+    frame pending, as a step's read does, is parsed from its own bytes, not copied into a
+    buffer first; only a frame's unfinished part is kept (`pending`) for the next read."""
+
+    def __init__(self, kind: type[Message], what: str, records: bool = False):
+        self._parse = kind.FromString
+        self._what = what
+        self._records = records
+        self.pending = bytearray()  # the start of a frame (or of a hello) not yet whole
+
+    def frames(self, data: bytes = b"") -> Iterator[Message | StepRecords]:
+        """The messages of the whole frames in `pending` and then `data`, each parsed from
+        the bytes themselves; a frame over MAX_FRAME_BYTES, or one that is not a `what`,
+        raises FrameError."""
+        if self.pending:
+            self.pending += data
+            data, self.pending = self.pending, bytearray()
+        offset = 0
+        while len(data) - offset >= FRAME.size:
+            (size,) = FRAME.unpack_from(data, offset)
+            parse = self._parse
+            if self._records and size & RECORDS_FLAG:
+                size, parse = size & ~RECORDS_FLAG, step_records.decode
+            if size > MAX_FRAME_BYTES:
+                raise FrameError(f"a {size}-byte frame")
+            end = offset + FRAME.size + size
+            if len(data) < end:
+                break
+            with memoryview(data) as view, view[offset + FRAME.size : end] as frame:
+                try:
+                    message = parse(frame)
+                except (DecodeError, WireError, RequestError) as error:
+                    raise FrameError(f"a malformed {self._what} ({error})") from None
+            offset = end
+            yield message
+        if isinstance(data, bytearray):  # what was pending: keep its rest without a copy
+            del data[:offset]  # once no view holds it: it cannot shrink while one does
+            self.pending = data
+        elif offset < len(data):
+            self.pending += memoryview(data)[offset:]
 
 
 def _no_delay(writer: asyncio.StreamWriter) -> None:
@@ -148,7 +166,7 @@ class _StepStream(asyncio.Protocol):
 
     def __init__(self, listener: StepListener):
         self._listener = listener
-        self._buffer = bytearray()
+        self._reader = FrameReader(pb.StepBatch, "step", records=True)
         self._greeted = False
         self._transport: asyncio.Transport | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -180,31 +198,36 @@ class _StepStream(asyncio.Protocol):
         if self._unsubscribe is not None:
             self._refuse("data on a results stream")  # a driver only ever reads from it
             return
-        self._buffer += data
-        if not self._greeted and not self._hello():
-            return
-        self._steps()
+        if not self._greeted:
+            self._reader.pending += data
+            if not self._hello():
+                return
+            data = b""
+        self._steps(data)
 
     def _hello(self) -> bool:
+        """Read the hello at the start of the pending bytes: True once a good one opened a
+        step stream (the bytes after it are steps)."""
+        buffer = self._reader.pending
         head = len(MAGIC) + FRAME.size
-        if len(self._buffer) < head:
+        if len(buffer) < head:
             return False
-        (size,) = FRAME.unpack_from(self._buffer, len(MAGIC))
-        magic = bytes(self._buffer[: len(MAGIC)])
+        (size,) = FRAME.unpack_from(buffer, len(MAGIC))
+        magic = bytes(buffer[: len(MAGIC)])
         results = magic == RESULTS_MAGIC and self._listener.subscribe is not None
         if (magic != MAGIC and not results) or size > MAX_TOKEN_BYTES:
             self._refuse("bad hello")
             return False
-        if len(self._buffer) < head + size:
+        if len(buffer) < head + size:
             return False
-        if not hmac.compare_digest(bytes(self._buffer[head : head + size]), self._listener.token):
+        if not hmac.compare_digest(bytes(buffer[head : head + size]), self._listener.token):
             self._refuse("wrong cluster token")
             return False
-        del self._buffer[: head + size]
+        del buffer[: head + size]
         self._greeted = True
         self._hello_timer.cancel()
         if results:
-            if self._buffer:
+            if buffer:
                 self._refuse("data on a results stream")
                 return False
             self._unsubscribe = self._listener.subscribe(self._write_results)
@@ -216,16 +239,16 @@ class _StepStream(asyncio.Protocol):
         stream's queue buffers for a slow reader)."""
         self._transport.write(FRAME.pack(len(payload)) + payload)
 
-    def _steps(self) -> None:
+    def _steps(self, data: bytes) -> None:
         try:
-            for message in take_frames(self._buffer, pb.StepBatch, "step", records=True):
+            for message in self._reader.frames(data):
                 self._listener.accept(message)
         except FrameError as error:
             self._refuse(str(error))
 
     def _refuse(self, why: str) -> None:
         log.warning("closed the step stream from %s: %s", self._peer, why)
-        self._buffer.clear()
+        self._reader.pending.clear()
         self.close()
 
 

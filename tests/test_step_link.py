@@ -13,6 +13,7 @@ TLS node offers none).
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 
@@ -31,7 +32,9 @@ from node.stage import Downstream, Subscribers
 from node.step_link import (
     ACCEPTED,
     FRAME,
+    MAGIC,
     RECORDS_FLAG,
+    FrameReader,
     StepLinkError,
     StepListener,
     StepSender,
@@ -105,6 +108,69 @@ def test_records_and_step_batches_arrive_whole_and_in_order() -> None:
                 assert message.SerializeToString() == _step(i)
             assert message.sequence == i and message.entries[0].request_id == f"r{i}"
         await sender.close()
+        await listener.close()
+
+    run(go())
+
+
+def _framed(sequence: int) -> bytes:
+    """Step `sequence` as a frame on the wire: records for odd ones, else a `StepBatch`."""
+    if sequence % 2:
+        payload = _records(sequence)
+        return FRAME.pack(len(payload) | RECORDS_FLAG) + payload
+    payload = _step(sequence, positions=1 + sequence % 7)
+    return FRAME.pack(len(payload)) + payload
+
+
+def _pieces(data: bytes, seed: int) -> list[bytes]:
+    """`data` cut at random places: pieces of 1 byte to about two frames."""
+    rng, pieces, at = random.Random(seed), [], 0
+    while at < len(data):
+        size = rng.choice([1, 2, 3, 5, rng.randint(1, 4000)])
+        pieces.append(data[at : at + size])
+        at += size
+    return pieces
+
+
+def test_frames_cut_anywhere_between_reads_come_out_whole_and_in_order() -> None:
+    """However the stream's bytes are cut into reads (a byte at a time, several frames in one
+    read, the end of one frame with the start of the next), `FrameReader` yields each message
+    once, as it was sent, and keeps nothing once the last frame is whole."""
+    stream = b"".join(_framed(i) for i in range(40))
+    cuts = {"one read": [stream], "bytes": [stream[i : i + 1] for i in range(len(stream))]}
+    cuts |= {f"random {seed}": _pieces(stream, seed) for seed in range(4)}
+    for name, pieces in cuts.items():
+        reader = FrameReader(pb.StepBatch, "step", records=True)
+        received = [message for piece in pieces for message in reader.frames(piece)]
+        assert [m.sequence for m in received] == list(range(40)), name
+        for i, message in enumerate(received):
+            if i % 2:
+                assert step_records.step_batch_of(_records(i)) == _step(i), name
+                assert isinstance(message, step_records.StepRecords), name
+            else:
+                assert message.SerializeToString() == _step(i, positions=1 + i % 7), name
+        assert not reader.pending, name
+
+
+def test_a_hello_and_steps_in_one_read_or_cut_anywhere_reach_the_listener() -> None:
+    """The listener takes the hello and the steps after it from the same read, and from reads
+    cut anywhere, hello included."""
+
+    async def go() -> None:
+        received: list = []
+        listener = await _listening(received)
+        hello = MAGIC + FRAME.pack(len(TOKEN)) + TOKEN.encode()
+        steps = b"".join(_framed(i) for i in range(12))
+        for pieces in ([hello + steps], _pieces(hello + steps, seed=7)):
+            received.clear()
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+            assert await reader.readexactly(len(ACCEPTED)) == ACCEPTED
+            await _until(lambda: len(received) == 12)
+            assert [m.sequence for m in received] == list(range(12))
+            writer.close()
         await listener.close()
 
     run(go())
