@@ -1,7 +1,7 @@
 """The cost of one pipeline hop on loopback, by framing: which one the step stream should use.
 
-    python -m cluster.bench.hop --json out.json [--rounds 6 --iters 500] [--ablate] [--uvloop]
-        [--variants proto,grpc,...] [--shapes 1x2x5120 1x512x5120]
+    python -m cluster.bench.hop --json out.json [--rounds 6 --iters 500] [--runs 5] [--ablate]
+        [--uvloop] [--variants proto,grpc,...] [--shapes 1x2x5120 1x512x5120]
 
 An echo server runs in a child process (a node is its own process); the client sends a
 decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
@@ -41,16 +41,22 @@ stream and all are timed in interleaved rounds, in a new shuffled order each rou
 background load and what ran just before hit them alike; codec-cold's rounds come after the
 others' (its sleeps slow whatever runs next for a while). `--ablate` also times the proto
 stream under gRPC defaults and with each tuned option left out or one added (a server process
-per setting; gRPC may log the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR quiets it). On
-a many-core machine, pin the run to two cores (`taskset -c 2,3`) to time the transports
-rather than idle-core wakeups. Like every cluster process it runs gRPC's older I/O path
-(`cluster.grpc_io`); `GRPC_EXPERIMENTS= python -m cluster.bench.hop` times gRPC's defaults.
+per setting; gRPC may log the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR quiets it).
+
+`--runs N` times everything N times over, each run with an echo server and streams of its
+own: where the processes' threads fall on the cores moves a run's figures more than anything
+compared here (the echo 44-89 µs from run to run on one host kind, BENCHMARKS.md run AU), so
+the link's ratio to the echo, the hop goal's, is printed per run. On a many-core machine, pin
+the run to two cores (`taskset -c 2,3`) to time the transports rather than idle-core wakeups.
+Like every cluster process it runs gRPC's older I/O path (`cluster.grpc_io`);
+`GRPC_EXPERIMENTS= python -m cluster.bench.hop` times gRPC's defaults.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -100,6 +106,7 @@ class Row:
     median_us: float
     p90_us: float
     iters: int
+    run: int = 1  # which of `--runs` (each with processes of its own)
 
 
 # ---- the step and its two codecs ----
@@ -708,6 +715,18 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def link_over_echo(rows: list[Row]) -> dict[str, list[float]]:
+    """The hop goal's ratio, the link's one way over the bare gRPC echo's, by shape: one per
+    run, in run order (empty where a run timed only one of them)."""
+    median = {(r.run, r.variant, r.shape): r.median_us for r in rows}
+    ratios: dict[str, list[float]] = {}
+    for run, variant, shape in median:
+        if variant == "link" and (run, "grpc", shape) in median:
+            ratio = median[run, "link", shape] / median[run, "grpc", shape]
+            ratios.setdefault(shape, []).append(ratio)
+    return ratios
+
+
 def _report(tuned: Setup, timing, loop: str, rows: list[Row], ablation: list[Row]) -> dict:
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return {
@@ -734,6 +753,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
     parser.add_argument("--iters", type=int, default=500, help="round trips per round")
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="times over, each with its own processes: where their threads fall sets a run's "
+        "figures, so one run is one sample",
+    )
     parser.add_argument("--ablate", action="store_true", help="also time each gRPC option")
     parser.add_argument("--uvloop", action="store_true", help="run both ends on uvloop")
     parser.add_argument(
@@ -746,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         help="hidden-state shapes (default 1x2x5120 1x1x256)",
     )
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
     if unknown := set(args.variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     mx.set_default_device(mx.cpu)
@@ -753,12 +781,22 @@ def main(argv: list[str] | None = None) -> int:
 
     tuned = Setup("tuned", wire.grpc_server_options(), wire.grpc_channel_options())
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
-    rows = run_loop(measure([tuned], args.variants, shapes, *timing, args.uvloop), args.uvloop)
     loop = "uvloop" if args.uvloop else "asyncio"
     experiments = os.environ.get("GRPC_EXPERIMENTS") or "gRPC's defaults"
     print(f"one way (round trip / 2) on loopback, {loop} event loop, microseconds")
     print(f"GRPC_EXPERIMENTS: {experiments} (cluster.grpc_io)")
-    print(_table(rows))
+    rows = []
+    for run in range(1, args.runs + 1):
+        measured = run_loop(
+            measure([tuned], args.variants, shapes, *timing, args.uvloop), args.uvloop
+        )
+        rows += [dataclasses.replace(row, run=run) for row in measured]
+        if args.runs > 1:
+            print(f"run {run} of {args.runs}")
+        print(_table(measured))
+    hop_over_echo = link_over_echo(rows)
+    for shape, ratios in hop_over_echo.items():
+        print(f"link / grpc echo at {shape}, by run: {' '.join(f'{r:.2f}' for r in ratios)}")
 
     ablation = []
     if args.ablate:
@@ -770,8 +808,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(ablation))
 
     if args.json:
+        report = _report(tuned, timing, loop, rows, ablation) | {"link_over_echo": hop_over_echo}
         with open(args.json, "w") as f:
-            json.dump(_report(tuned, timing, loop, rows, ablation), f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 
