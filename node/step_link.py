@@ -84,36 +84,40 @@ class FrameReader:
         self._records = records
         self.pending = bytearray()  # the start of a frame (or of a hello) not yet whole
 
-    def frames(self, data: bytes = b"") -> Iterator[Message | StepRecords]:
+    def frames(self, data: bytes) -> Iterator[Message | StepRecords]:
         """The messages of the whole frames in `pending` and then `data`, each parsed from
         the bytes themselves; a frame over MAX_FRAME_BYTES, or one that is not a `what`,
-        raises FrameError."""
+        raises FrameError. What the caller does not take (it stopped, or raised while
+        handling a message) stays pending, from the frame after the last one yielded."""
         if self.pending:
             self.pending += data
             data, self.pending = self.pending, bytearray()
         offset = 0
-        while len(data) - offset >= FRAME.size:
-            (size,) = FRAME.unpack_from(data, offset)
-            parse = self._parse
-            if self._records and size & RECORDS_FLAG:
-                size, parse = size & ~RECORDS_FLAG, step_records.decode
-            if size > MAX_FRAME_BYTES:
-                raise FrameError(f"a {size}-byte frame")
-            end = offset + FRAME.size + size
-            if len(data) < end:
-                break
-            with memoryview(data) as view, view[offset + FRAME.size : end] as frame:
-                try:
-                    message = parse(frame)
-                except (DecodeError, WireError, RequestError) as error:
-                    raise FrameError(f"a malformed {self._what} ({error})") from None
-            offset = end
-            yield message
-        if isinstance(data, bytearray):  # what was pending: keep its rest without a copy
-            del data[:offset]  # once no view holds it: it cannot shrink while one does
-            self.pending = data
-        elif offset < len(data):
-            self.pending += memoryview(data)[offset:]
+        try:
+            while len(data) - offset >= FRAME.size:
+                (size,) = FRAME.unpack_from(data, offset)
+                parse = self._parse
+                if self._records and size & RECORDS_FLAG:
+                    size, parse = size & ~RECORDS_FLAG, step_records.decode
+                if size > MAX_FRAME_BYTES:
+                    raise FrameError(f"a {size}-byte frame")
+                end = offset + FRAME.size + size
+                if len(data) < end:
+                    break
+                with memoryview(data) as view, view[offset + FRAME.size : end] as frame:
+                    try:
+                        message = parse(frame)
+                    except (DecodeError, WireError, RequestError) as error:
+                        raise FrameError(f"a malformed {self._what} ({error})") from None
+                offset = end
+                yield message
+        finally:  # the rest goes before any read that came meanwhile (none, as used here)
+            if isinstance(data, bytearray):  # what was pending: keep its rest, not a copy
+                del data[:offset]  # no view holds it now: it cannot shrink while one does
+                data += self.pending
+                self.pending = data
+            elif offset < len(data):
+                self.pending[:0] = memoryview(data)[offset:]
 
 
 def _no_delay(writer: asyncio.StreamWriter) -> None:

@@ -152,6 +152,25 @@ def test_frames_cut_anywhere_between_reads_come_out_whole_and_in_order() -> None
         assert not reader.pending, name
 
 
+def test_frames_a_reader_did_not_take_stay_pending() -> None:
+    """A caller that raises while handling a message (or stops) leaves the frames after it
+    pending, whole: the next read carries on from there, from bytes or from what was
+    pending."""
+    stream = b"".join(_framed(i) for i in range(6))
+    for pieces in ([stream], [stream[:7], stream[7:]]):
+        reader = FrameReader(pb.StepBatch, "step", records=True)
+        taken = []
+        with pytest.raises(RuntimeError):
+            for piece in pieces:
+                for message in reader.frames(piece):
+                    taken.append(message.sequence)
+                    if message.sequence == 2:
+                        raise RuntimeError("the caller failed on step 2")
+        taken += [message.sequence for message in reader.frames(b"")]
+        assert taken == list(range(6))
+        assert not reader.pending
+
+
 def test_a_hello_and_steps_in_one_read_or_cut_anywhere_reach_the_listener() -> None:
     """The listener takes the hello and the steps after it from the same read, and from reads
     cut anywhere, hello included."""
