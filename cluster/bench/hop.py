@@ -45,7 +45,7 @@ per setting; gRPC may log the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR qu
 
 `--runs N` times everything N times over, each run with an echo server and streams of its
 own: where the processes' threads fall on the cores moves a run's figures more than anything
-compared here (the echo 44-89 µs from run to run on one host kind, BENCHMARKS.md run AU), so
+compared here (the echo 44-89 µs from run to run on H200 hosts, BENCHMARKS.md run AU), so
 the link's ratio to the echo, the hop goal's, is printed per run. On a many-core machine, pin
 the run to two cores (`taskset -c 2,3`) to time the transports rather than idle-core wakeups.
 Like every cluster process it runs gRPC's older I/O path (`cluster.grpc_io`);
