@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import sys
@@ -16,22 +17,39 @@ from cluster.messages import RequestError, RequestOptions, SamplingParams, parse
 log = logging.getLogger(__name__)
 
 
+# The commands that live beside their concern, by name: the module each is in and its name
+# there. Only the command that runs is imported: a node's start then imports the node's code,
+# not the coordinator's tokenizer (`transformers`, 2.4 s on the 2-core CI machine) nor the
+# benchmark's HTTP client, and `cluster hosts ...`, which `cluster up --hosts` runs over ssh
+# on every host, not MLX either: each ssh round trip takes a fraction of a second.
+COMMAND_MODULES: dict[str, tuple[str, str]] = {
+    "node": ("node.server", "node_command"),
+    "plan": ("coordinator.plan_cli", "plan"),
+    "coordinator": ("coordinator.cli", "coordinator_command"),
+    "up": ("coordinator.cli", "up_command"),
+    "down": ("cluster.hosts.cli", "down_command"),
+    "status": ("coordinator.cli", "status_command"),
+    "models": ("cluster.weights.listing", "models_command"),
+    "bench": ("cluster.bench.cli", "bench_command"),
+    "convert": ("cluster.model.convert", "convert_command"),
+    "hosts": ("cluster.hosts.remote", "hosts_group"),
+}
+
+
 class _Commands(click.Group):
-    """The `cluster` group. `cluster hosts ...`, which `cluster up --hosts` runs over ssh on
-    every host, imports only what it needs (not MLX and the coordinator): each ssh round
-    trip then takes a fraction of a second instead of seconds."""
+    """The `cluster` group: `generate` is here, every other command is imported when asked
+    for (`COMMAND_MODULES`)."""
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name == "hosts":
-            from cluster.hosts.remote import hosts_group
-
-            return hosts_group
-        _register_commands()
-        return super().get_command(ctx, name)
+        if name in self.commands or name not in COMMAND_MODULES:
+            return super().get_command(ctx, name)
+        module_name, attribute = COMMAND_MODULES[name]
+        command = getattr(importlib.import_module(module_name), attribute)
+        self.add_command(command, name)
+        return command
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        _register_commands()
-        return super().list_commands(ctx)
+        return sorted(set(self.commands) | set(COMMAND_MODULES))  # `hosts` is hidden in help
 
 
 @click.group(cls=_Commands)
@@ -130,35 +148,3 @@ def generate(
             f"{result['accepted']}/{result['drafted']}]",
             err=True,
         )
-
-
-def _register_commands() -> None:
-    """Commands that live beside their concern: the node daemon, the planner, conversion."""
-    if "node" in main.commands:
-        return
-    from cluster.bench.cli import bench_command
-    from cluster.hosts.cli import down_command
-    from cluster.hosts.remote import hosts_group
-    from cluster.weights.listing import models_command
-    from coordinator.cli import coordinator_command, status_command, up_command
-    from coordinator.plan_cli import plan
-    from node.server import node_command
-
-    commands = (
-        node_command,
-        plan,
-        coordinator_command,
-        up_command,
-        down_command,
-        status_command,
-        models_command,
-        bench_command,
-    )
-    for command in commands:
-        main.add_command(command)
-    main.add_command(hosts_group)
-    try:
-        from cluster.model.convert import convert_command
-    except ImportError:
-        return
-    main.add_command(convert_command, "convert")

@@ -22,10 +22,18 @@ from cluster.config import bundled_model_path
 from cluster.local import parse_layers
 from cluster.messages import MtpDepth, RequestError, parse_mtp_depth
 from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
-from coordinator.service import run_coordinator
 from node.auth import TLSConfig
 
 NODE_START_TIMEOUT_S = 60.0
+
+
+def _serve(model_dir: Path, **settings: object) -> None:
+    """Run the coordinator's service to its end. Imported here, not at the top: the service
+    brings the tokenizer (`transformers`, seconds to import), which `cluster status` does
+    without."""
+    from coordinator.service import run_coordinator
+
+    asyncio.run(run_coordinator(model_dir, **settings))
 
 
 @click.command("coordinator")
@@ -120,24 +128,22 @@ def coordinator_command(
     except (OSError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--api-key / --api-key-file") from error
     try:
-        asyncio.run(
-            run_coordinator(
-                model_dir or bundled_model_path(),
-                nodes=static,
-                token=token,
-                host=host,
-                port=port,
-                browse=not no_mdns,
-                layers=parse_layers(layers) if layers else None,
-                use_all=all_nodes,
-                max_running=max_running,
-                max_queued=max_queued,
-                tls=TLSConfig.from_files(tls_cert, tls_key),
-                weights_port=weights_port,
-                api_keys=keys,
-                mtp_depth=_mtp_depth(mtp_depth),
-                prefix_cache=not no_prefix_cache,
-            )
+        _serve(
+            model_dir or bundled_model_path(),
+            nodes=static,
+            token=token,
+            host=host,
+            port=port,
+            browse=not no_mdns,
+            layers=parse_layers(layers) if layers else None,
+            use_all=all_nodes,
+            max_running=max_running,
+            max_queued=max_queued,
+            tls=TLSConfig.from_files(tls_cert, tls_key),
+            weights_port=weights_port,
+            api_keys=keys,
+            mtp_depth=_mtp_depth(mtp_depth),
+            prefix_cache=not no_prefix_cache,
         )
     except KeyboardInterrupt:
         pass
@@ -227,16 +233,14 @@ def up_command(
     try:
         _wait_for_nodes(procs, ports)
         click.echo(f"{count} local node(s) on ports {', '.join(map(str, ports))}")
-        asyncio.run(
-            run_coordinator(
-                model_dir or bundled_model_path(),
-                nodes=[f"127.0.0.1:{p}" for p in ports],
-                token=token,
-                port=port,
-                browse=False,
-                layers=parse_layers(layers) if layers else None,
-                use_all=True,
-            )
+        _serve(
+            model_dir or bundled_model_path(),
+            nodes=[f"127.0.0.1:{p}" for p in ports],
+            token=token,
+            port=port,
+            browse=False,
+            layers=parse_layers(layers) if layers else None,
+            use_all=True,
         )
     except KeyboardInterrupt:
         pass

@@ -10,11 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.nn as nn
 import pytest
 
+from cluster.bench.gpu_bench import logits_check
+from cluster.bench.random_checkpoint import bench_prompt, write_checkpoint
+from cluster.config import load_model_config
+from cluster.model.loading import load_shard
+
 RUN_TIMEOUT_S = 300
-# The side-by-side phase's checkpoint: the CPU's quantized matmul is slow (its 4-bit run took
-# 146 s, bf16 24 s); the one-process test keeps the 4-bit checkpoint's writing and loading.
+# The phases run on a bf16 checkpoint: the CPU's quantized matmul is slow (the side-by-side
+# phase took 146 s at 4 bits and 24 s at bf16, the one-process phase 88 s and 16 s). The GPU
+# runs' 4-bit checkpoint is written and loaded by a test of its own, without decoding.
 BF16 = ("--bits", "16")
 
 
@@ -36,7 +43,7 @@ def test_tiny_one_process_phase_reports_its_figures(tmp_path: Path) -> None:
     stdout, report = _tiny_run(
         tmp_path, "--skip", "pipeline,nodes,mlx_lm,paired", "--variants", "fused", "--tokens", "8",
         "--repeats", "1", "--concurrent", "2", "--alphas", "0.7", "--mtp-depths", "2",
-        "--step-iters", "2", "--step-warmup", "1",
+        "--step-iters", "2", "--step-warmup", "1", *BF16,
     )  # fmt: skip
     single = report["single"]
     assert list(single["variants"]) == ["fused"]
@@ -46,6 +53,22 @@ def test_tiny_one_process_phase_reports_its_figures(tmp_path: Path) -> None:
             assert decode["tokens"] == [8] and decode["engine_over_steps"] > 0
     assert single["concurrent"]["requests"] == 2 and single["concurrent_compiled"]["runs"]
     assert "engine, 1 process: MTP off" in stdout and "its own steps" in stdout
+
+
+def test_tiny_4bit_checkpoint_is_written_once_and_loads_quantized(tmp_path: Path) -> None:
+    """The checkpoint the GPU runs use, 4 bits in groups of 64: written, reused when asked for
+    again, and loaded as the one-process phase loads it, its layers quantized and its logits
+    finite."""
+    path = tmp_path / "ckpt"
+    written = write_checkpoint(path, "tiny", 4, 64, seed=0)
+    assert not written["reused"] and written["bytes"] > 0
+    assert write_checkpoint(path, "tiny", 4, 64, seed=0)["reused"]
+    assert not write_checkpoint(path, "tiny", 4, 64, seed=1)["reused"]
+    shard = load_shard(path, for_decoding=True)
+    quantized = [m for _, m in shard.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert quantized and {(m.bits, m.group_size) for m in quantized} == {(4, 64)}
+    prompt = bench_prompt(load_model_config(path).text.vocab_size, 16)
+    assert logits_check(shard, prompt)["finite"]
 
 
 def test_tiny_side_by_side_phase_reports_its_ratios(tmp_path: Path) -> None:

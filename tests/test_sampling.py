@@ -19,8 +19,10 @@ from cluster.messages import RequestError, RequestOptions, SamplingParams
 
 # Requests per sample (each a batch of them at once). Power: in a run of 800, three
 # subsamples of 200 told the accept-every-draft verifier below from plain sampling at
-# p = 1e-11 to 4e-10 (the test asks for 1e-3), and 250 take a quarter of 800's 200 s here.
-DRAWS = 250
+# p = 1e-11 to 4e-10 (the test asks for 1e-3). The test's own seeds at 150 draws: p = 5e-9
+# for that verifier, 0.10 and 0.47 for the real one (at 250: 3e-14, 0.62 and 0.95), in 60%
+# of 250's 109 s.
+DRAWS = 150
 PROMPT = "import os\nimport sys\n\n\ndef "
 
 

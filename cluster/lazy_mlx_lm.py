@@ -1,0 +1,48 @@
+"""mlx-lm's package, registered without running its `__init__` until a name in it is used.
+
+`mlx_lm/__init__.py` imports mlx-lm's converter, generator and loader, and through them
+`transformers`: 2.4 of the 3.0 s that `python -m cluster node` took to import on the 2-core
+CI machine. Importing any of mlx-lm's modules (`mlx_lm.models.qwen3_5`, which every node needs)
+runs the package's `__init__` first. A node never tokenizes, and `cluster status` or `down`
+neither tokenizes nor runs a model, yet each paid those seconds at every start.
+
+So `cluster/__init__.py` registers the package from its own import spec, with its path but
+without running its body. Its modules import as before, each with only what it imports itself:
+the tokenizer's module still brings `transformers` in, where a process needs it. The first
+use of a name of the package itself (`mlx_lm.load`, `from mlx_lm import stream_generate`) runs
+the package's `__init__` then, in the same module object, and every name is there from then
+on. Where mlx-lm was imported before `cluster` (a test importing it first), nothing changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+
+PACKAGE = "mlx_lm"
+
+
+def defer_package_init() -> None:
+    """Register mlx-lm's package with its body deferred to the first use of one of its names;
+    nothing when it is imported already (or not installed)."""
+    if PACKAGE in sys.modules:
+        return
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.loader is None:
+        return
+    package = importlib.util.module_from_spec(spec)  # its path is set: its modules import
+    lock = threading.Lock()  # two threads' first uses run the body once
+
+    def run_body_for(name: str) -> object:
+        with lock:
+            if "__getattr__" in package.__dict__:
+                del package.__getattr__  # the body's own names, not this, from now on
+                spec.loader.exec_module(package)
+        try:
+            return package.__dict__[name]
+        except KeyError:
+            raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}") from None
+
+    package.__getattr__ = run_body_for  # module-level __getattr__: only for names not there
+    sys.modules[PACKAGE] = package
