@@ -61,7 +61,8 @@ def _mlx_problem() -> str:
     """Why this interpreter cannot run a ring rank, or ''."""
     try:
         import mlx.core as mx
-        import mlx_lm  # noqa: F401
+        from mlx_lm import stream_generate  # noqa: F401  (runs mlx-lm's package body)
+        from mlx_lm.utils import sharded_load  # noqa: F401  (what a rank loads with)
     except ImportError as error:
         return f"{sys.executable} cannot import mlx and mlx-lm ({error})"
     if not mx.distributed.is_available():
