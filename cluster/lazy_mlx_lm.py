@@ -17,6 +17,7 @@ on. Where mlx-lm was imported before `cluster` (a test importing it first), noth
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 
@@ -31,6 +32,9 @@ def defer_package_init() -> None:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or spec.loader is None:
         return
+    # What the body does first, for the process: transformers' advisory warnings off (the
+    # tokenizer's module brings transformers in before the body runs, if ever).
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     package = importlib.util.module_from_spec(spec)  # its path is set: its modules import
     lock = threading.Lock()  # two threads' first uses run the body once
 

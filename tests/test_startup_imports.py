@@ -6,6 +6,7 @@ before `cluster`."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,14 +21,16 @@ HEAVY = ("transformers", "mlx_lm.tokenizer_utils", "coordinator.service", "aioht
 
 def _fresh(code: str) -> dict:
     """Run `code` in a new interpreter. It fills the dict `found`, which comes back with
-    `heavy`: which of HEAVY the process had imported by its end."""
+    `heavy` (which of HEAVY the process had imported by its end) and `stderr`."""
     tail = f"found['heavy'] = [m for m in {HEAVY!r} if m in sys.modules]\nprint(json.dumps(found))"
     program = "import json, sys\nfound = {}\n" + textwrap.dedent(code) + "\n" + tail
+    # As a process started by a user: without what this one's import of mlx-lm set.
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1]) | {"stderr": done.stderr}
 
 
 def _after_command(*argv: str) -> list[str]:
@@ -73,6 +76,18 @@ def test_mlx_lm_names_resolve_on_first_use() -> None:
     assert found["deferred"] and found["callable"] and found["version"]
     assert found["missing"] == "module 'mlx_lm' has no attribute 'no_such_name'"
     assert "transformers" in found["heavy"]  # the package's body ran, as mlx-lm's own import
+
+
+def test_the_tokenizer_imported_first_is_as_quiet_as_under_mlx_lm() -> None:
+    """mlx-lm's body turns transformers' advisory warnings off before importing it; the
+    coordinator imports the tokenizer's module before any use of the body runs it."""
+    found = _fresh("""
+        import cluster
+        import coordinator.service
+        found["body"] = "load" in sys.modules["mlx_lm"].__dict__
+    """)
+    assert not found["body"] and "transformers" in found["heavy"]
+    assert "PyTorch was not found" not in found["stderr"], found["stderr"]
 
 
 def test_every_command_is_listed_and_runs_its_help() -> None:
