@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # The commands that live beside their concern, by name: the module each is in and its name
 # there. Only the command that runs is imported: a node's start then imports the node's code,
-# not the coordinator's tokenizer (`transformers`, 2.4 s on the 2-core CI machine) nor the
+# not the coordinator's tokenizer (`transformers`, 2.4 s on a 2-core Linux VM) nor the
 # benchmark's HTTP client, and `cluster hosts ...`, which `cluster up --hosts` runs over ssh
 # on every host, not MLX either: each ssh round trip takes a fraction of a second.
 COMMAND_MODULES: dict[str, tuple[str, str]] = {
