@@ -1,4 +1,4 @@
-"""Shared fixtures: the bundled model, its tokenizer, and an engine factory."""
+"""Shared fixtures: the bundled model, its tokenizer, and the engine's greedy reference."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.config import bundled_model_path
+from cluster.decode.engine import GenerationOutput, GenerationRequest
+from cluster.local import open_local_engine
+from cluster.messages import RequestOptions
 
 T = TypeVar("T")
 
@@ -28,6 +31,7 @@ CODE_PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "# Parse command line arguments\nimport argparse\n\nparser = ",
 )
+REFERENCE_TOKENS = 64  # each of `greedy_reference`'s outputs
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +51,27 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 @pytest.fixture
 def arun() -> Callable[[Coroutine[Any, Any, T]], T]:
     return run
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(model_dir: Path, tokenizer) -> dict[bool, list[GenerationOutput]]:
+    """The engine in one process, greedy, MTP off and on (by that key): the outputs of
+    CODE_PROMPTS one request at a time, REFERENCE_TOKENS each. What the pipeline's nodes and
+    the engine's other paths must give; computed once for every module that compares with it."""
+
+    async def generate(mtp: bool) -> list[GenerationOutput]:
+        local = await open_local_engine(model_dir, mtp=mtp)
+        try:
+            stop = frozenset(local.config.eos_token_ids)
+            outputs = []
+            for prompt in CODE_PROMPTS:
+                request = GenerationRequest(
+                    tuple(tokenizer.encode(prompt)), REFERENCE_TOKENS, RequestOptions(mtp=mtp), stop
+                )
+                outputs.append(await local.engine.generate(request))
+            assert all(not runner.requests for runner in local.runners), "state leaked"
+            return outputs
+        finally:
+            local.close()
+
+    return {mtp: run(generate(mtp)) for mtp in (False, True)}

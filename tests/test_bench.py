@@ -20,7 +20,7 @@ from tests.daemons import ENDPOINT, Daemon, free_port
 
 PLOTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_vs_prompt", "mtp_on_off")
 RUN_TIMEOUT_S = 240
-PROMPTS = (32, 96)  # prompt tokens of the local run's two scenarios
+PROMPTS = (16, 48)  # prompt tokens of the local run's two scenarios
 MAX_TOKENS = 8
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import mlx.core as mx
 import pytest
-from conftest import CODE_PROMPTS, run
+from conftest import CODE_PROMPTS, REFERENCE_TOKENS, run
 from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
@@ -15,7 +15,7 @@ from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions
 
-MAX_TOKENS = 64
+MAX_TOKENS = REFERENCE_TOKENS  # as the plain and with_mtp outputs have
 
 
 async def _generate_all(model_dir, prompts, *, mtp: bool, ranges=None, concurrent=False):
@@ -41,13 +41,13 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir, prompts):
-    return run(_generate_all(model_dir, prompts, mtp=False))
+def plain(greedy_reference):
+    return greedy_reference[False]
 
 
 @pytest.fixture(scope="module")
-def with_mtp(model_dir, prompts):
-    return run(_generate_all(model_dir, prompts, mtp=True))
+def with_mtp(greedy_reference):
+    return greedy_reference[True]
 
 
 def test_greedy_mtp_matches_plain_decoding(plain, with_mtp) -> None:

@@ -150,7 +150,8 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
     """`--diagnose`'s split step under each async_eval schedule, and each half's step back to
     back against after an idle wait and busy ones (the other phases left out)."""
     stdout, report = _tiny_run(
-        tmp_path, "--diagnose", "--skip", "shapes,mlx_lm,local", "--rounds", "1", *BF16,
+        tmp_path, "--diagnose", "--skip", "shapes,mlx_lm,local", "--rounds", "1",
+        "--step-iters", "10", *BF16,
     )  # fmt: skip
     diag = report["diagnose"]
     assert set(diag["split_steps"]["medians"]) == {"every", "last", "both"}

@@ -21,7 +21,6 @@ from conftest import CODE_PROMPTS, run
 from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
 from cluster.decode.engine import GenerationOutput, GenerationRequest
-from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions
 from cluster.wire import MAX_MESSAGE_BYTES, grpc_channel_options
 from node.auth import token_metadata
@@ -52,15 +51,10 @@ def requests(tokenizer) -> list[GenerationRequest]:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir, requests) -> list[tuple[int, ...]]:
-    async def go():
-        local = await open_local_engine(model_dir)
-        try:
-            return [(await local.engine.generate(r)).tokens for r in requests]
-        finally:
-            local.close()
-
-    return run(go())
+def expected(greedy_reference) -> list[tuple[int, ...]]:
+    """The requests' tokens in one process (greedy: the first MAX_TOKENS of the reference's)."""
+    assert all(len(output.tokens) >= MAX_TOKENS for output in greedy_reference[True])
+    return [output.tokens[:MAX_TOKENS] for output in greedy_reference[True]]
 
 
 async def _generate(engine, requests: list[GenerationRequest]) -> list[tuple[int, ...]]:

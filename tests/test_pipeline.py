@@ -1,7 +1,8 @@
 """The pipeline across real node processes on loopback gives the single-process engine's tokens.
 
 One trio of `cluster node` processes serves the whole module; each test loads the layout it
-needs with LoadShard. The reference is the engine of `cluster.local` in this process. The
+needs with LoadShard. The reference is the engine of `cluster.local` in this process
+(conftest's `greedy_reference`). The
 nodes build their plain decode steps ahead (`--build-ahead on`: on the CPU, on a
 `HostDoorbell`), as they do on CUDA by default.
 """
@@ -14,7 +15,7 @@ import math
 import nodes
 import pytest
 from checkpoints import make_checkpoint
-from conftest import CODE_PROMPTS, run
+from conftest import CODE_PROMPTS, REFERENCE_TOKENS, run
 from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
@@ -24,7 +25,7 @@ from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory  # the fixture, for this module
 
-MAX_TOKENS = 64
+MAX_TOKENS = REFERENCE_TOKENS  # as the reference's outputs have
 NUM_LAYERS = 8  # the bundled model's
 
 
@@ -51,15 +52,6 @@ async def _local_outputs(model_dir, requests: list[GenerationRequest]) -> list[G
         local.close()
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir, prompts) -> dict[bool, list[GenerationOutput]]:
-    """The single-process engine's outputs, greedy, by MTP on/off."""
-    return {
-        mtp: run(_local_outputs(model_dir, [_request(p, mtp=mtp) for p in prompts]))
-        for mtp in (False, True)
-    }
-
-
 async def _generate_each(
     engine: GenerationEngine, addresses: list[str], requests: list[GenerationRequest]
 ) -> list[GenerationOutput]:
@@ -79,7 +71,9 @@ def _assert_same(outputs: list[GenerationOutput], expected: list[GenerationOutpu
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_nodes_give_the_single_process_tokens(count, trio, model_dir, prompts, reference) -> None:
+def test_nodes_give_the_single_process_tokens(
+    count, trio, model_dir, prompts, greedy_reference
+) -> None:
     addresses = trio.addresses[:count]
 
     async def go() -> tuple[dict[bool, list[GenerationOutput]], list[pb.NodeInfo]]:
@@ -100,8 +94,8 @@ def test_nodes_give_the_single_process_tokens(count, trio, model_dir, prompts, r
         assert min(phases.queued_ms, phases.decode_ms, phases.encode_ms) >= 0
         # MTP off, each node ran most decode steps from the step it had built ahead.
         assert info.steps_ahead_used >= len(prompts) * (MAX_TOKENS - 8)
-    _assert_same(outputs[False], reference[False])
-    _assert_same(outputs[True], reference[True])
+    _assert_same(outputs[False], greedy_reference[False])
+    _assert_same(outputs[True], greedy_reference[True])
     assert all(o.drafted == 0 for o in outputs[False])
     drafted = sum(o.drafted for o in outputs[True])
     accepted = sum(o.accepted for o in outputs[True])
@@ -164,7 +158,9 @@ def test_a_rejection_costs_no_extra_message(trio, model_dir, prompts) -> None:
     assert rollbacks == []
 
 
-def test_concurrent_greedy_requests_give_their_own_tokens(trio, model_dir, prompts, reference):
+def test_concurrent_greedy_requests_give_their_own_tokens(
+    trio, model_dir, prompts, greedy_reference
+):
     requests = [_request(p, mtp=True) for p in prompts]
     assert len(requests) >= 4
 
@@ -181,14 +177,16 @@ def test_concurrent_greedy_requests_give_their_own_tokens(trio, model_dir, promp
         return outputs, arrivals
 
     outputs, arrivals = run(go())
-    _assert_same(outputs, reference[True])
+    _assert_same(outputs, greedy_reference[True])
     # In flight together: every request had emitted before any of them emitted its last chunk.
     last_first = max(arrivals.index(i) for i in range(len(requests)))
     first_last = min(len(arrivals) - 1 - arrivals[::-1].index(i) for i in range(len(requests)))
     assert last_first < first_last
 
 
-def test_concurrent_sampled_requests_match_alone(trio, model_dir, prompts, reference) -> None:
+def test_concurrent_sampled_requests_match_alone(
+    trio, model_dir, prompts, greedy_reference
+) -> None:
     requests = [_request(p, mtp=True, seed=1234 + i, max_tokens=48) for i, p in enumerate(prompts)]
 
     async def go():
@@ -202,7 +200,7 @@ def test_concurrent_sampled_requests_match_alone(trio, model_dir, prompts, refer
     assert [o.tokens for o in together] == [o.tokens for o in alone]
     assert sum(o.drafted for o in alone) > 0
     # Sampling happened: not every output is the greedy one.
-    greedy = [o.tokens[:48] for o in reference[True]]
+    greedy = [o.tokens[:48] for o in greedy_reference[True]]
     assert [o.tokens for o in alone] != greedy
     # And a seeded request gives the same tokens in one process.
     assert [o.tokens for o in run(_local_outputs(model_dir, requests))] == [o.tokens for o in alone]

@@ -29,7 +29,7 @@ from conftest import CODE_PROMPTS, run
 from nodes import NodeGroup, node_infos
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
-from cluster.local import even_ranges, open_local_engine, shard_specs
+from cluster.local import even_ranges, shard_specs
 from cluster.messages import RequestOptions
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec
@@ -118,15 +118,9 @@ def requests(tokenizer) -> list[GenerationRequest]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, requests) -> list[tuple[int, ...]]:
-    async def go():
-        local = await open_local_engine(model_dir)
-        try:
-            return [(await local.engine.generate(r)).tokens for r in requests]
-        finally:
-            local.close()
-
-    return run(go())
+def reference(greedy_reference) -> list[tuple[int, ...]]:
+    """The requests' tokens in one process (greedy: the first MAX_TOKENS of the reference's)."""
+    return [output.tokens[:MAX_TOKENS] for output in greedy_reference[True][:2]]
 
 
 def shard_bytes(model_dir: Path, spec: ShardSpec) -> int:

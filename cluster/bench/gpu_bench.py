@@ -438,7 +438,9 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
     if "shapes" not in args.skip:
         await _step_shapes(worker, path, prompt, diag)
     if "split" not in args.skip:
-        diag["split_steps"] = await worker.run(split_steps, path, prompt, args.rounds)
+        diag["split_steps"] = await worker.run(
+            split_steps, path, prompt, args.rounds, args.step_iters // 2
+        )
         print(
             f"  two halves against the whole {json.dumps(diag['split_steps']['medians'])}; "
             f"over every 8 layers {json.dumps(diag['split_steps']['over_every'])}",
@@ -446,7 +448,9 @@ async def diagnose(args, path: Path, prompt: tuple[int, ...], report: dict) -> N
         )
         await worker.run(free_memory)
     if "idle" not in args.skip:
-        idle = diag["idle_steps"] = await worker.run(idle_steps, path, prompt, args.rounds)
+        idle = diag["idle_steps"] = await worker.run(
+            idle_steps, path, prompt, args.rounds, args.step_iters // 2
+        )
         m, ratio = idle["medians"], idle["over_back_to_back"]
         after = "; ".join(
             f"{how} {_pair_ms(m[name])} ({ratio[name]['head']:.3f}x, {ratio[name]['tail']:.3f}x)"
@@ -1843,7 +1847,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant (median)")
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--step-iters", type=int, default=60)
+    parser.add_argument(
+        "--step-iters",
+        type=int,
+        default=60,
+        help="steps timed per figure (60); the breakdown and --diagnose's split and idle "
+        "steps time half as many",
+    )
     parser.add_argument("--step-warmup", type=int, default=8)
     parser.add_argument(
         "--alphas", type=lambda s: [float(a) for a in s.split(",")], default=[0.5, 0.7, 0.9]

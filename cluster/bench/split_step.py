@@ -75,7 +75,7 @@ def _next_token(token: int) -> int:
     return 5 + token % 4000
 
 
-def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 25) -> dict:
+def split_steps(path: Path, prompt: tuple[int, ...], rounds: int, iters: int = 30) -> dict:
     """A decode step over the model's two halves as two nodes run them (the head's output
     read back to the host as bytes, the tail's input uploaded from them, its greedy token
     read) against the whole model's, under each of `SCHEDULES` in rotating order, round after
