@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.nn as nn
 import pytest
 
-from cluster.bench.gpu_bench import logits_check
+from cluster.bench.gpu_bench.step_timing import logits_check
 from cluster.bench.random_checkpoint import bench_prompt, write_checkpoint
 from cluster.config import load_model_config
 from cluster.model.loading import load_shard
@@ -174,7 +174,7 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
 def test_bad_node_set_settings_are_refused(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cluster.bench.gpu_bench import parse_args
+    from cluster.bench.gpu_bench.run import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)

@@ -347,17 +347,19 @@ def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dic
 
 def shape_steps(args) -> None:
     """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
-    from cluster.bench import gpu_bench, random_checkpoint
+    from cluster.bench import random_checkpoint
+    from cluster.bench.gpu_bench.run import device_name
+    from cluster.bench.gpu_bench.step_timing import free_memory
     from cluster.config import load_model_config
 
     started = time.perf_counter()
     path = args.model or random_checkpoint.default_dir(args.shape, args.bits)
     report: dict = {
-        "machine": {**machine(), "gpu": gpu_bench.device_name()},
+        "machine": {**machine(), "gpu": device_name()},
         "args": vars(args) | {"model": str(path)},
         "checkpoint": random_checkpoint.write_checkpoint(path, args.shape, args.bits, 64, 0),
     }
-    gpu_bench.free_memory()
+    free_memory()
     print(f"checkpoint {path}: {report['checkpoint']}", flush=True)
     prompt = random_checkpoint.bench_prompt(load_model_config(path).text.vocab_size, 64)
     runner = bare_runner(path)
