@@ -31,8 +31,8 @@ tokens ignored, so every run decodes exactly --tokens tokens. Phases that would 
 before --deadline-s are skipped and say so; the JSON is rewritten after every phase.
 
 The parts, one a module: `step_timing` (steps and their parts timed on the MLX thread),
-`one_process` (the engine and mlx-lm in this process, the fast path's variants), `node_processes`
-(oracle nodes, one per GPU), `side_by_side` (the paired rounds), `mlx_ring` (mlx-lm's pipeline),
-`diagnosis` (`--diagnose`), `summary` (the closing table); `run` puts the phases in order within
-their `phase` deadlines.
+`one_process` (the engine and mlx-lm in this process, the fast path's variants),
+`node_processes` (oracle nodes, one per GPU), `side_by_side` (the paired rounds), `mlx_ring`
+(mlx-lm's pipeline), `diagnosis` (`--diagnose`, with `split_step`'s halves of a step),
+`summary` (the closing table); `run` puts the phases in order within their `phase` deadlines.
 """

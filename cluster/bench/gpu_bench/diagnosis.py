@@ -8,6 +8,7 @@ from typing import Any
 
 from cluster.bench.gpu_bench.one_process import engine_decode, set_variant, warm_up
 from cluster.bench.gpu_bench.phase import recorded
+from cluster.bench.gpu_bench.split_step import idle_steps, split_steps
 from cluster.bench.gpu_bench.step_timing import (
     backbone_shapes,
     free_memory,
@@ -18,7 +19,6 @@ from cluster.bench.gpu_bench.step_timing import (
     sync_latency,
 )
 from cluster.bench.oracle_node import install_oracle, remove_oracle
-from cluster.bench.split_step import idle_steps, split_steps
 from cluster.config import load_model_config
 from cluster.decode.worker import MLXWorker
 from cluster.model import few_row_matmul, gated_delta_kernel, row_padding
