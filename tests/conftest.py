@@ -75,3 +75,10 @@ def greedy_reference(model_dir: Path, tokenizer) -> dict[bool, list[GenerationOu
             local.close()
 
     return {mtp: run(generate(mtp)) for mtp in (False, True)}
+
+
+def greedy_tokens(outputs: list[GenerationOutput], max_tokens: int) -> list[tuple[int, ...]]:
+    """The first `max_tokens` of each of `greedy_reference`'s outputs: greedy decoding makes
+    them the tokens of a request for that many."""
+    assert all(len(output.tokens) >= max_tokens for output in outputs)
+    return [output.tokens[:max_tokens] for output in outputs]

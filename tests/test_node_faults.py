@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import grpc
 import nodes
 import pytest
-from conftest import CODE_PROMPTS, run
+from conftest import CODE_PROMPTS, greedy_tokens, run
 from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
 from cluster.decode.engine import GenerationOutput, GenerationRequest
@@ -52,9 +52,8 @@ def requests(tokenizer) -> list[GenerationRequest]:
 
 @pytest.fixture(scope="module")
 def expected(greedy_reference) -> list[tuple[int, ...]]:
-    """The requests' tokens in one process (greedy: the first MAX_TOKENS of the reference's)."""
-    assert all(len(output.tokens) >= MAX_TOKENS for output in greedy_reference[True])
-    return [output.tokens[:MAX_TOKENS] for output in greedy_reference[True]]
+    """The requests' tokens in one process."""
+    return greedy_tokens(greedy_reference[True], MAX_TOKENS)
 
 
 async def _generate(engine, requests: list[GenerationRequest]) -> list[tuple[int, ...]]:

@@ -25,7 +25,7 @@ import grpc
 import nodes
 import pytest
 from click.testing import CliRunner
-from conftest import CODE_PROMPTS, run
+from conftest import CODE_PROMPTS, greedy_tokens, run
 from nodes import NodeGroup, node_infos
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
@@ -119,8 +119,8 @@ def requests(tokenizer) -> list[GenerationRequest]:
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference) -> list[tuple[int, ...]]:
-    """The requests' tokens in one process (greedy: the first MAX_TOKENS of the reference's)."""
-    return [output.tokens[:MAX_TOKENS] for output in greedy_reference[True][:2]]
+    """The requests' tokens in one process."""
+    return greedy_tokens(greedy_reference[True][:2], MAX_TOKENS)
 
 
 def shard_bytes(model_dir: Path, spec: ShardSpec) -> int:
