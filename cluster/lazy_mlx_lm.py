@@ -37,13 +37,21 @@ def defer_package_init() -> None:
     # tokenizer's module brings transformers in before the body runs, if ever).
     os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     package = importlib.util.module_from_spec(spec)  # its path is set: its modules import
-    lock = threading.Lock()  # two threads' first uses run the body once
+    # Held while the body runs: another thread's first use waits for every name. The thread
+    # running the body re-enters (the body's own imports look names up here) and finds the
+    # package partly initialised, as any package is during its body.
+    lock = threading.RLock()
+    running = False
 
     def run_body_for(name: str) -> object:
+        nonlocal running
         with lock:
-            if "__getattr__" in package.__dict__:
-                del package.__getattr__  # the body's own names, not this, from now on
-                spec.loader.exec_module(package)
+            if not running and "__getattr__" in package.__dict__:
+                running = True
+                try:
+                    spec.loader.exec_module(package)
+                finally:
+                    del package.__getattr__  # the body's own names, not this, from now on
         try:
             return package.__dict__[name]
         except KeyError:

@@ -101,3 +101,27 @@ def test_every_command_is_listed_and_runs_its_help() -> None:
         assert helped.exit_code == 0 and "Usage:" in helped.output, (name, helped.output)
     unknown = CliRunner().invoke(main, ["nonsense"])
     assert unknown.exit_code == 2 and "No such command 'nonsense'" in unknown.output
+
+
+def test_threads_first_using_mlx_lm_at_once_all_get_its_names() -> None:
+    """The body runs once; a thread that asks while another runs it waits for it, rather than
+    finding the package without its names."""
+    found = _fresh("""
+        import threading
+        import cluster
+        import mlx_lm
+        start, got = threading.Barrier(4), []
+        def use():
+            start.wait()
+            try:
+                got.append(callable(mlx_lm.load))
+            except AttributeError as error:
+                got.append(str(error))
+        threads = [threading.Thread(target=use) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        found["got"] = got
+    """)
+    assert found["got"] == [True] * 4
