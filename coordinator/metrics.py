@@ -22,6 +22,9 @@ class HopStatus:
     kind: str  # thunderbolt, ethernet, wifi, loopback, other
     rtt_ms: float  # measured round trip; 0 when the address was given, not measured
     measured: bool
+    # Every address of the successor measured: (host:port, median round trip in ms, or None
+    # where it did not answer), the chosen one among them.
+    tried: tuple[tuple[str, float | None], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -407,9 +407,7 @@ class Coordinator:
             step_latency_ms=info.step_latency_ms,
             device=info.device,
             weights_fraction=transfer_fraction(info),
-            hop=HopStatus(info.hop.address, info.hop.kind, info.hop.rtt_ms, info.hop.measured)
-            if info.HasField("hop")
-            else None,
+            hop=hop_status(info.hop) if info.HasField("hop") else None,
             steps_total=info.steps_total,
             batches_total=info.batches_total,
             busy_seconds_total=info.busy_seconds_total,
@@ -524,3 +522,10 @@ async def run_coordinator(
 
 def _layout(plan: PlacementPlan) -> list[tuple[str, int, int]]:
     return [(stage.address, stage.start, stage.end) for stage in plan.stages]
+
+
+def hop_status(hop: pb.HopLink) -> HopStatus:
+    """A node's report of its hop as the status shows it; an address that did not answer
+    has None for its round trip, not 0 ms."""
+    tried = tuple((t.address, t.rtt_ms if t.answered else None) for t in hop.tried)
+    return HopStatus(hop.address, hop.kind, hop.rtt_ms, hop.measured, tried)

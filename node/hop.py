@@ -46,6 +46,10 @@ class HopChoice:
             interface=self.interface,
             rtt_ms=self.rtt_ms,
             measured=self.measured,
+            tried=[
+                pb.LinkTried(address=address, rtt_ms=rtt or 0.0, answered=rtt is not None)
+                for address, rtt in self.tried
+            ],
         )
 
 

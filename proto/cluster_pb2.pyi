@@ -439,18 +439,30 @@ class NodeLink(_message.Message):
     def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class HopLink(_message.Message):
-    __slots__ = ("address", "kind", "interface", "rtt_ms", "measured")
+    __slots__ = ("address", "kind", "interface", "rtt_ms", "measured", "tried")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     INTERFACE_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
+    TRIED_FIELD_NUMBER: _ClassVar[int]
     address: str
     kind: str
     interface: str
     rtt_ms: float
     measured: bool
-    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., interface: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., measured: _Optional[bool] = ...) -> None: ...
+    tried: _containers.RepeatedCompositeFieldContainer[LinkTried]
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., interface: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., measured: _Optional[bool] = ..., tried: _Optional[_Iterable[_Union[LinkTried, _Mapping]]] = ...) -> None: ...
+
+class LinkTried(_message.Message):
+    __slots__ = ("address", "rtt_ms", "answered")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    rtt_ms: float
+    answered: bool
+    def __init__(self, address: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., answered: _Optional[bool] = ...) -> None: ...
 
 class LinkPingRequest(_message.Message):
     __slots__ = ("payload",)

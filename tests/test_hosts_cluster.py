@@ -221,7 +221,9 @@ def shard_loads(lab: Lab, nodes: list[dict]) -> dict[str, int]:
 
 def test_every_hop_takes_the_fast_network(lab: Lab):
     """The coordinator dials the nodes at their ssh (slow) addresses; each upstream node
-    measured both of its successor's networks and streams over the fast one."""
+    measured both of its successor's networks and streams over the fast one. The slow one's
+    pings took the lab's delay each way more: the two are pinged in turn, so a busy machine
+    slows both alike (an absolute bound on the fast one's failed under load)."""
     nodes = status_json(lab.up)["nodes"]
     slow = {h.slow_address for h in lab.lab.hosts}
     assert {n["address"].rsplit(":", 1)[0] for n in nodes} == slow
@@ -229,7 +231,11 @@ def test_every_hop_takes_the_fast_network(lab: Lab):
         hop = node["hop"]
         fast = lab.lab.hosts[host_of(lab, successor["address"])].fast_address
         assert hop["measured"] and hop["address"].startswith(fast + ":"), node
-        assert hop["kind"] == "ethernet" and 0 < hop["rtt_ms"] < 2 * 1000 * lab.lab.delay_s
+        assert hop["kind"] == "ethernet" and hop["rtt_ms"] > 0, node
+        tried = dict(hop["tried"])
+        assert tried.keys() == {hop["address"], successor["address"]}, node
+        assert tried[hop["address"]] == hop["rtt_ms"], node
+        assert tried[successor["address"]] > hop["rtt_ms"], node
     assert nodes[-1]["hop"] is None
     table = cluster("status", "--url", lab.up.url).stdout
     assert table.count(" ms)") == 2 and "-> " in table, table

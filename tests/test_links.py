@@ -69,3 +69,18 @@ def test_this_machine_reports_its_loopback_last():
     assert links and links[-1].kind == "loopback" and links[-1].address in ("127.0.0.1", "::1")
     for link in links:
         assert (link.kind == "loopback") == ipaddress.ip_address(link.address).is_loopback
+
+
+def test_a_hops_measured_addresses_reach_the_status_as_measured() -> None:
+    """Every address a hop measured comes to the coordinator's status with its round trip, and
+    one that did not answer as None (not as a 0 ms round trip)."""
+    from coordinator.service import hop_status
+    from node.hop import HopChoice
+
+    tried = (("10.0.2.2:5000", 0.41), ("10.0.1.2:5000", 4.6), ("[fe80::1]:5000", None))
+    choice = HopChoice("10.0.2.2:5000", "ethernet", "eth1", 0.41, True, tried)
+    status = hop_status(choice.to_proto())
+    assert (status.address, status.kind, status.rtt_ms, status.measured) == (
+        "10.0.2.2:5000", "ethernet", 0.41, True,
+    )  # fmt: skip
+    assert status.tried == tried

@@ -109,6 +109,7 @@ def test_threads_first_using_mlx_lm_at_once_all_get_its_names() -> None:
     found = _fresh("""
         import threading
         import cluster
+        import mlx.core as mx
         import mlx_lm
         start, got = threading.Barrier(4), []
         def use():
@@ -117,6 +118,12 @@ def test_threads_first_using_mlx_lm_at_once_all_get_its_names() -> None:
                 got.append(callable(mlx_lm.load))
             except AttributeError as error:
                 got.append(str(error))
+            finally:
+                # The body made a stream in this thread (mlx_lm.generate's). MLX 0.32 asks a
+                # thread to drop its streams before it ends: left to the thread's exit, their
+                # teardown takes the GIL and, should the interpreter be finalizing by then,
+                # aborts the process (about 1 exit in 10 on 2 busy cores).
+                mx.clear_streams()
         threads = [threading.Thread(target=use) for _ in range(4)]
         for t in threads:
             t.start()
