@@ -219,9 +219,9 @@ async def _tail_stage_tokens(shards, prompt: tuple[int, ...], doorbell: bool) ->
 
     try:
         await step(StepRequest("a", prompt, 0, options=RequestOptions(mtp=False)))
-        # The step after this one is built ahead once this one is sent, so not before `sent`;
-        # the result comes back to this coroutine later still, by how much on a loaded
-        # machine no one can say.
+        # The stage builds the next step ahead after it has sent this one's result, so not
+        # before `sent`; the result reaches this coroutine later still, how much later
+        # depending on the machine's load.
         sent = time.perf_counter()
         await step(StepRequest("a", (tokens[-1],), len(prompt)))
         if doorbell:  # the next step, built ahead, released by the stage's timer

@@ -221,9 +221,9 @@ def shard_loads(lab: Lab, nodes: list[dict]) -> dict[str, int]:
 
 def test_every_hop_takes_the_fast_network(lab: Lab):
     """The coordinator dials the nodes at their ssh (slow) addresses; each upstream node
-    measured both of its successor's networks and streams over the fast one. The slow one's
-    pings took the lab's delay each way more: the two are pinged in turn, so a busy machine
-    slows both alike (an absolute bound on the fast one's failed under load)."""
+    measured both of its successor's networks and streams over the fast one. The slow
+    address's pings took longer: the two are pinged in turn, so a busy machine slows both
+    alike, where a bound in ms on the fast one's round trip fails under load."""
     nodes = status_json(lab.up)["nodes"]
     slow = {h.slow_address for h in lab.lab.hosts}
     assert {n["address"].rsplit(":", 1)[0] for n in nodes} == slow

@@ -1,10 +1,13 @@
-"""A node's links and their kinds (macOS's hardware port list, Linux's /sys/class/net)."""
+"""A node's links and their kinds (macOS's hardware port list, Linux's /sys/class/net), and
+what a hop reports of measuring its successor's."""
 
 from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
 
+from coordinator.service import hop_status
+from node.hop import HopChoice
 from node.links import linux_interface_kind, local_links, macos_port_kinds
 
 NETWORKSETUP = """
@@ -74,9 +77,6 @@ def test_this_machine_reports_its_loopback_last():
 def test_a_hops_measured_addresses_reach_the_status_as_measured() -> None:
     """Every address a hop measured comes to the coordinator's status with its round trip, and
     one that did not answer as None (not as a 0 ms round trip)."""
-    from coordinator.service import hop_status
-    from node.hop import HopChoice
-
     tried = (("10.0.2.2:5000", 0.41), ("10.0.1.2:5000", 4.6), ("[fe80::1]:5000", None))
     choice = HopChoice("10.0.2.2:5000", "ethernet", "eth1", 0.41, True, tried)
     status = hop_status(choice.to_proto())
