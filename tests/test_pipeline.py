@@ -91,8 +91,12 @@ def test_nodes_give_the_single_process_tokens(
         phases = info.step_phases
         assert phases.layers_ms > 0 and phases.handoff_ms > 0 and phases.send_ms > 0
         assert min(phases.queued_ms, phases.decode_ms, phases.encode_ms) >= 0
-        # MTP off, each node ran most decode steps from the step it had built ahead.
-        assert info.steps_ahead_used >= len(prompts) * (MAX_TOKENS - 8)
+        # MTP off, each node built nearly every decode step ahead, and ran most of them as
+        # built. One whose message came later than AHEAD_WAIT_S was released and undone:
+        # a few on an idle machine, about a third with 4 test workers on 2 cores.
+        decode_steps = len(prompts) * (MAX_TOKENS - 8)
+        assert info.steps_ahead_used + info.steps_ahead_undone >= decode_steps
+        assert info.steps_ahead_used >= decode_steps // 2
     _assert_same(outputs[False], greedy_reference[False])
     _assert_same(outputs[True], greedy_reference[True])
     assert all(o.drafted == 0 for o in outputs[False])
