@@ -87,8 +87,7 @@ class ResultsLink(asyncio.Protocol):
             data = data[1:]
             self._accepted.set_result(None)
         try:
-            for batch in self._reader.frames(data):
-                self._on_batch(batch)
+            self._reader.each(data, self._on_batch)
         except FrameError as error:
             self._end(f"sent {error}")
 

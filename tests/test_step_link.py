@@ -13,6 +13,8 @@ TLS node offers none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import random
 import time
 from pathlib import Path
@@ -135,13 +137,22 @@ def _pieces(data: bytes, seed: int) -> list[bytes]:
 def test_frames_cut_anywhere_between_reads_come_out_whole_and_in_order() -> None:
     """However the stream's bytes are cut into reads (a byte at a time, several frames in one
     read, the end of one frame with the start of the next), `FrameReader` yields each message
-    once, as it was sent, and keeps nothing once the last frame is whole."""
-    stream = b"".join(_framed(i) for i in range(40))
+    once, as it was sent, and keeps nothing once the last frame is whole; so does `each`, which
+    takes a read of one whole frame (a frame a read, as steps usually come) by a shorter way."""
+    frames = [_framed(i) for i in range(40)]
+    stream = b"".join(frames)
     cuts = {"one read": [stream], "bytes": [stream[i : i + 1] for i in range(len(stream))]}
+    cuts |= {"a frame a read": frames}
     cuts |= {f"random {seed}": _pieces(stream, seed) for seed in range(4)}
-    for name, pieces in cuts.items():
+    for (name, pieces), way in itertools.product(cuts.items(), ("frames", "each")):
+        name = f"{name}, {way}"
         reader = FrameReader(pb.StepBatch, "step", records=True)
-        received = [message for piece in pieces for message in reader.frames(piece)]
+        if way == "frames":
+            received = [message for piece in pieces for message in reader.frames(piece)]
+        else:
+            received = []
+            for piece in pieces:
+                reader.each(piece, received.append)
         assert [m.sequence for m in received] == list(range(40)), name
         for i, message in enumerate(received):
             if i % 2:
@@ -168,6 +179,27 @@ def test_frames_a_reader_did_not_take_stay_pending() -> None:
                     if message.sequence == 2:
                         raise RuntimeError("the caller failed on step 2")
         taken += [message.sequence for message in reader.frames(b"")]
+        assert taken == list(range(6))
+        assert not reader.pending
+
+
+def test_a_frame_whose_handler_failed_is_not_handled_again() -> None:
+    """`each` on a read of one whole frame (its short way) and on reads of several: a handler
+    that raises on a message has taken it; the frames after it stay pending, whole."""
+    frames = [_framed(i) for i in range(6)]
+    for pieces in (frames, [b"".join(frames[:4]), b"".join(frames[4:])]):
+        reader = FrameReader(pb.StepBatch, "step", records=True)
+        taken = []
+
+        def take(message, taken=taken) -> None:
+            taken.append(message.sequence)
+            if message.sequence == 2:
+                raise RuntimeError("the handler failed on step 2")
+
+        for piece in pieces:
+            with contextlib.suppress(RuntimeError):
+                reader.each(piece, take)
+        reader.each(b"", take)
         assert taken == list(range(6))
         assert not reader.pending
 
