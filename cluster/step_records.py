@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from cluster.messages import StepRequest
-from cluster.wire import WireError, array_from_bytes, dtype_name, step_batch_bytes
+from cluster.wire import WireError, array_from_bytes, step_batch_bytes
 
 HEADER = struct.Struct("<QQHBI")
 ENTRY = struct.Struct("<HBBIH")
 DTYPES = (("bfloat16", 2), ("float16", 2), ("float32", 4))  # (name, bytes per value)
-_CODES = {name: code for code, (name, _) in enumerate(DTYPES, start=1)}
+_CODES = {getattr(mx, name): code for code, (name, _) in enumerate(DTYPES, start=1)}
 _TOKENS = [struct.Struct(f"<{n}I") for n in range(256)]  # an entry's u32 tokens, by count
 
 
@@ -73,14 +73,19 @@ def encode(
 ) -> bytes | None:
     """The records of a batch of plain steps with its hidden states ([1, positions, width]),
     or None where it does not fit them (send it as a `StepBatch`)."""
-    if not entries or not all(plain(e) for e in entries):
+    positions = 0
+    for e in entries:  # one loop, not two generators: this runs once per hop per step
+        if not plain(e):
+            return None
+        positions += len(e.tokens)
+    if not positions:
         return None
     dtype, width = 0, 0
     if hidden is not None:
-        positions = sum(len(e.tokens) for e in entries)
-        if hidden.ndim != 3 or hidden.shape[:2] != (1, positions):
+        shape = hidden.shape
+        if len(shape) != 3 or shape[0] != 1 or shape[1] != positions:
             return None
-        dtype, width = _CODES.get(dtype_name(hidden.dtype), 0), hidden.shape[2]
+        dtype, width = _CODES.get(hidden.dtype, 0), shape[2]
         if not dtype:
             return None
     try:
