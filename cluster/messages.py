@@ -101,6 +101,8 @@ class StepRequest:
     samples nothing and only makes the MTP draft that the request was about to verify.
     """
 
+    # A new field also takes its default in `step_records._plain_step`, which builds the
+    # steps of a records frame without this class's __init__.
     request_id: str
     tokens: tuple[int, ...]
     position: int

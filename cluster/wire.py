@@ -157,7 +157,7 @@ def array_from_bytes(data: bytes, wire_dtype: str, shape: tuple[int, ...]) -> mx
         )
     if not nbytes:  # memoryview.cast refuses a zero in the shape
         return mx.zeros(shape, dtype)
-    # MLX copies the buffer straight in: a hop's decode, half the time of going through numpy.
+    # MLX copies the buffer straight in: 0.7x the time of going through numpy, once a hop.
     a = mx.array(memoryview(data).cast(values, shape))
     # bfloat16, float16: a lazy view of the uint16 copy, which the consumer's eval absorbs.
     return a if a.dtype == dtype else a.view(dtype)
