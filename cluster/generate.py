@@ -10,8 +10,9 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
-from cluster.local import open_local_engine, parse_layers
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestOptions
+from cluster.model.shard import parse_layers
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> tuple[int, ...]:
@@ -41,8 +42,8 @@ async def run_generate(
     request = GenerationRequest(ids, max_tokens, options, stop)
     ranges = parse_layers(layers) if layers else None
     if nodes:
-        from node.auth import TLSConfig
-        from node.client import open_remote_engine
+        from cluster.transport.auth import TLSConfig
+        from cluster.transport.node_client import open_remote_engine
 
         remote = await open_remote_engine(
             model_dir,

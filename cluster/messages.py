@@ -3,7 +3,7 @@
 A request moves through the pipeline as a series of steps. Each step feeds some tokens to the
 head; every node runs its layers over the positions of those tokens; the tail turns the last
 hidden states into tokens. These dataclasses are what the engine, the in-process pipeline and
-the gRPC codec (`cluster.wire`) all speak; protobuf never leaks past the codec.
+the gRPC codec (`cluster.transport.wire`) all speak; protobuf never leaks past the codec.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from pathlib import Path
 import click
 
 from cluster.config import bundled_model_path
-from cluster.local import parse_layers
 from cluster.messages import MtpDepth, RequestError, parse_mtp_depth
+from cluster.model.shard import parse_layers
+from cluster.transport.auth import TLSConfig
 from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
-from node.auth import TLSConfig
 
 NODE_START_TIMEOUT_S = 60.0
 

@@ -24,7 +24,7 @@ from types import TracebackType
 from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from node.advertise import (
+from cluster.transport.advertise import (
     SERVICE_TYPE,
     TXT_DEVICE,
     TXT_MEMORY,

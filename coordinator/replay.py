@@ -21,7 +21,7 @@ from typing import Protocol
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest, ResumePoint
 from cluster.decode.pipeline import Pipeline
 from cluster.decode.prefix_index import PrefixIndex
-from node.client import NodeUnavailable
+from cluster.transport.node_client import NodeUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,9 @@ from cluster.decode.prefix_index import PrefixIndex
 from cluster.messages import MtpDepth
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_placement
-from cluster.wire import step_phases_ms
+from cluster.transport.auth import TLSConfig
+from cluster.transport.node_client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
+from cluster.transport.wire import step_phases_ms
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.api_keys import ApiKeys
@@ -33,8 +35,6 @@ from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCoun
 from coordinator.progress import transfer_fraction
 from coordinator.replay import ReplayingEngine
 from coordinator.weights_host import WeightsHost
-from node.auth import TLSConfig
-from node.client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ import logging
 import time
 from pathlib import Path
 
+from cluster.transport.auth import TLSConfig
 from cluster.weights.service import WeightsService, serve_weights
 from coordinator.progress import ProgressBars
-from node.auth import TLSConfig
 
 log = logging.getLogger(__name__)
 

@@ -31,15 +31,15 @@ from cluster.decode.worker import GPU_SPIN_S, MLXWorker
 from cluster.messages import RequestError
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
+from cluster.transport.auth import TLSConfig, TokenInterceptor
+from cluster.transport.hop_choice import HopChoice, choose_hop
+from cluster.transport.links import local_links
+from cluster.transport.step_link import StepListener
+from cluster.transport.wire import grpc_server_options
 from cluster.weights.store import WeightsStore, default_cache_dir
-from cluster.wire import grpc_server_options
-from node.auth import TLSConfig, TokenInterceptor
 from node.hardware import this_machine
-from node.hop import HopChoice, choose_hop
-from node.links import local_links
 from node.shard_weights import ShardWeights, ShardWeightsError
 from node.stage import Inbound, Stage, Subscribers, status_of
-from node.step_link import StepListener
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -129,7 +129,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.shard_loads = 0
         self.weights_bytes = 0
         self.started = time.monotonic()
-        self.step_port = 0  # the step stream's TCP port (`node.step_link`); 0: gRPC only
+        self.step_port = (
+            0  # the step stream's TCP port (`cluster.transport.step_link`); 0: gRPC only
+        )
         self._load_lock = asyncio.Lock()
         self.weights = ShardWeights(
             weights_store or WeightsStore(default_cache_dir()),
@@ -237,7 +239,7 @@ class NodeService(pb_grpc.NodeServicer):
             reader.cancel()
 
     def accept_linked_step(self, message: Inbound) -> None:
-        """A step from the predecessor's TCP step stream (`node.step_link`): as `Steps` takes
+        """A step from the predecessor's TCP step stream (`cluster.transport.step_link`): as `Steps` takes
         one, to the stage of the moment. The sender reads no replies: without a stage, the
         step's requests fail on the driver's Results stream, as `Steps` would refuse it."""
         if self.stage is not None:
@@ -430,7 +432,7 @@ async def serve(
         service.step_port = await step_listener.start(host)
     advertiser = None
     if advertise:
-        from node.advertise import NodeAdvertiser
+        from cluster.transport.advertise import NodeAdvertiser
 
         # A node bound to one address announces that address only (on its interface);
         # bound to all, it announces every address the machine has.

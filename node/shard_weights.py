@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 
 from cluster.model.shard import ShardSpec
+from cluster.transport.auth import TLSConfig
 from cluster.weights.fetch import FetchProgress, WeightsFetchError, ensure_shard
 from cluster.weights.manifest import ManifestError
 from cluster.weights.store import CacheFullError, WeightsStore
-from node.auth import TLSConfig
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -23,14 +23,18 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
-from cluster import step_records
 from cluster.decode.doorbell import Doorbell
 from cluster.decode.pipeline import take_batch
 from cluster.decode.runner import CacheBudgetError, ShardRunner, without_tokens
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
-from cluster.step_records import StepRecords
-from cluster.wire import (
+from cluster.transport import step_records
+from cluster.transport.auth import TLSConfig, open_channel, token_metadata
+from cluster.transport.hop_choice import split_host_port
+from cluster.transport.hop_probe import HopProbe
+from cluster.transport.step_link import StepLinkError, StepSender
+from cluster.transport.step_records import StepRecords
+from cluster.transport.wire import (
     WireError,
     dtype_name,
     forwarded_step_bytes,
@@ -39,10 +43,6 @@ from cluster.wire import (
     step_entries_from_proto,
     tensor_from_proto,
 )
-from node.auth import TLSConfig, open_channel, token_metadata
-from node.hop import split_host_port
-from node.hop_probe import HopProbe
-from node.step_link import StepLinkError, StepSender
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def status_of(error: Exception) -> grpc.StatusCode:
 
 class Subscribers:
     """The drivers listening to this node's results and errors: over gRPC (a queue that the
-    Results stream drains) or over a TCP results stream (`node.step_link`), written to as each
+    Results stream drains) or over a TCP results stream (`cluster.transport.step_link`), written to as each
     batch is published."""
 
     def __init__(self) -> None:
@@ -191,8 +191,8 @@ class StageStats:
 class Downstream:
     """The long-lived step stream to the successor, reopened if it breaks. It sends the
     StepBatch serialized already (`step_batch_bytes`): over the successor's TCP step stream
-    (`node.step_link`) where it has one, else over gRPC, which passes the bytes on as they are.
-    Plain decode steps go as records (`cluster.step_records`) where the successor's stream
+    (`cluster.transport.step_link`) where it has one, else over gRPC, which passes the bytes on as they are.
+    Plain decode steps go as records (`cluster.transport.step_records`) where the successor's stream
     takes them (`takes_records`, read when the stage encodes a step).
     """
 
@@ -231,7 +231,7 @@ class Downstream:
 
     @property
     def transport(self) -> str | None:
-        """The stream in use: "tcp" (`node.step_link`), "grpc", or None before a step."""
+        """The stream in use: "tcp" (`cluster.transport.step_link`), "grpc", or None before a step."""
         if self._link is not None:
             return "tcp"
         return "grpc" if self._call is not None else None

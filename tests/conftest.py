@@ -13,7 +13,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.config import bundled_model_path
 from cluster.decode.engine import GenerationOutput, GenerationRequest
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestOptions
 
 T = TypeVar("T")

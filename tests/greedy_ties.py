@@ -19,7 +19,7 @@ from conftest import run
 
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationRequest
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestOptions
 
 MAX_TOKENS = 64

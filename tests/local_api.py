@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from cluster.config import bundled_model_path
 from cluster.decode.engine import GenerationChunk, GenerationRequest
-from cluster.local import LocalEngine, open_local_engine
+from cluster.decode.local_engine import LocalEngine, open_local_engine
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from tests.fakes import MODEL_ID, FakeClusterView, ServedApp, tokenizer

@@ -34,8 +34,8 @@ import grpc
 import pytest
 
 from cluster.decode.engine import GenerationEngine
-from node.auth import token_metadata
-from node.client import NodeClient, RemotePipeline, load_pipeline
+from cluster.transport.auth import token_metadata
+from cluster.transport.node_client import NodeClient, RemotePipeline, load_pipeline
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 

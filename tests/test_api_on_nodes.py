@@ -16,7 +16,7 @@ from cluster.decode.engine import (
     GenerationOutput,
     GenerationRequest,
 )
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestOptions
 from coordinator.response_format import JsonGrammars
 from tests.fakes import EOS, tokenizer

@@ -145,9 +145,9 @@ def test_bad_input_is_a_clear_message(args: list[str], message: str) -> None:
 
 
 def test_step_profile_times_the_layers_and_the_tail(tmp_path: Path) -> None:
-    """The developer profile of one decode step (`cluster.bench.step_profile`) on the bundled
+    """The developer profile of one decode step (`benchmarks.step_profile`) on the bundled
     model: every kind of step reports its layers and its tail (`Tail.launch` + `conclude`)."""
-    from cluster.bench import step_profile
+    from benchmarks import step_profile
 
     out = tmp_path / "profile.json"
     assert step_profile.main(["--iters", "1", "--batch", "2", "--json", str(out)]) == 0
@@ -165,10 +165,10 @@ def test_step_profile_times_the_layers_and_the_tail(tmp_path: Path) -> None:
 
 
 def test_stepped_requests_decode_what_plain_steps_decode() -> None:
-    """The step benchmarks' hand-stepped requests (`cluster.bench.stepping`) feed each step
+    """The step benchmarks' hand-stepped requests (`benchmarks.stepping`) feed each step
     the tail's drafts and the last step's rollback: greedy, every depth emits the tokens that
     plain steps emit, on one runner that steps the kinds in turns."""
-    from cluster.bench.stepping import SteppedRequests, bare_runner, interleaved
+    from benchmarks.stepping import SteppedRequests, bare_runner, interleaved
     from cluster.config import bundled_model_path
 
     runner = bare_runner(bundled_model_path())

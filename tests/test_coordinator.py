@@ -26,7 +26,7 @@ from typing import Any
 import openai
 import pytest
 
-from node.client import NodeClient
+from cluster.transport.node_client import NodeClient
 from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
 
 TOKEN = "test-coordinator-secret"

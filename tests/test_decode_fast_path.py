@@ -17,8 +17,8 @@ from test_engine import _generate_all
 from test_rollback import _assert_same_caches, _prefill
 
 from cluster.decode.engine import GenerationRequest
+from cluster.decode.local_engine import open_local_engine
 from cluster.decode.runner import ShardRunner
-from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, StepRequest
 from cluster.model import compiled, fused, row_padding
 from cluster.model.cache import RequestCache

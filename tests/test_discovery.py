@@ -18,6 +18,7 @@ import pytest
 from zeroconf import NonUniqueNameException
 from zeroconf.asyncio import AsyncZeroconf
 
+from cluster.transport.advertise import AdvertiseError, NodeAdvertiser
 from coordinator.discovery import (
     DiscoveredNode,
     DiscoveryError,
@@ -27,7 +28,6 @@ from coordinator.discovery import (
     format_address,
     parse_address,
 )
-from node.advertise import AdvertiseError, NodeAdvertiser
 
 LOOPBACK = ["127.0.0.1"]
 DEADLINE_S = 10.0

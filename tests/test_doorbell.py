@@ -24,7 +24,7 @@ from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
-from cluster.wire import results_from_proto, step_batch_bytes
+from cluster.transport.wire import results_from_proto, step_batch_bytes
 from node.stage import AHEAD_WAIT_S, Stage, Subscribers
 from proto import cluster_pb2 as pb
 

@@ -12,7 +12,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestError, RequestOptions
 
 MAX_TOKENS = REFERENCE_TOKENS  # as the plain and with_mtp outputs have

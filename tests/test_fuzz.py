@@ -24,17 +24,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nodes import NodeGroup, remote_engine
 
-from cluster import step_records
 from cluster.decode.engine import GenerationRequest
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestError
-from cluster.wire import (
+from cluster.transport import step_records
+from cluster.transport.auth import token_metadata
+from cluster.transport.wire import (
     WireError,
     results_from_proto,
     step_batch_from_proto,
     tensor_from_proto,
 )
-from node.auth import token_metadata
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from tests.fakes import FakeEngine, serve

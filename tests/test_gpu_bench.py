@@ -1,4 +1,4 @@
-"""`cluster.bench.gpu_bench` runs end to end on the tiny shape (CPU), so that a change to it is
+"""`benchmarks.gpu_bench` runs end to end on the tiny shape (CPU), so that a change to it is
 caught here rather than on a GPU machine whose minutes are scarce. Its figures are not checked
 (speed is reported by benchmarks, never asserted in tests), only that every phase asked for
 ran and reported what the summary reads."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import mlx.nn as nn
 import pytest
 
-from cluster.bench.gpu_bench.step_timing import logits_check
-from cluster.bench.random_checkpoint import bench_prompt, write_checkpoint
+from benchmarks.gpu_bench.step_timing import logits_check
+from benchmarks.random_checkpoint import bench_prompt, write_checkpoint
 from cluster.config import load_model_config
 from cluster.model.loading import load_shard
 
@@ -29,7 +29,7 @@ def _tiny_run(tmp_path: Path, *args: str) -> tuple[str, dict]:
     """gpu_bench on the tiny shape with `args`: its output and its JSON report."""
     out = tmp_path / "gpu.json"
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.bench.gpu_bench", "--shape", "tiny",
+        [sys.executable, "-m", "benchmarks.gpu_bench", "--shape", "tiny",
          "--dir", str(tmp_path / "ckpt"), "--json", str(out), "--prompt-len", "16", *args],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
@@ -174,7 +174,7 @@ def test_tiny_diagnosis_splits_a_step_and_idles_its_halves(tmp_path: Path) -> No
 def test_bad_node_set_settings_are_refused(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cluster.bench.gpu_bench.run import parse_args
+    from benchmarks.gpu_bench.run import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)

@@ -1,4 +1,4 @@
-"""`cluster.grpc_io`: every cluster process picks gRPC's older I/O path unless told otherwise."""
+"""`cluster.transport.grpc_io`: every cluster process picks gRPC's older I/O path unless told otherwise."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 import subprocess
 import sys
 
-from cluster.grpc_io import LEGACY_IO_EXPERIMENTS
+from cluster.transport.grpc_io import LEGACY_IO_EXPERIMENTS
 
 # gRPC reads GRPC_EXPERIMENTS at its first import: set by the time a cluster module imports it.
-PROBE = "import os, cluster.wire; print(os.environ.get('GRPC_EXPERIMENTS'))"
+PROBE = "import os, cluster.transport.wire; print(os.environ.get('GRPC_EXPERIMENTS'))"
 
 
 def _probe(env: dict[str, str]) -> str:

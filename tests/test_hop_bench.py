@@ -1,4 +1,4 @@
-"""`cluster.bench.hop` runs end to end (a server process, every framing compared): the step
+"""`benchmarks.hop` runs end to end (a server process, every framing compared): the step
 stream, a bare gRPC echo, and a driver's two legs over the nodes' TCP port and over gRPC,
 twice over (`--runs`), with the hop goal's ratio per run."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 def test_the_hop_bench_times_a_drivers_legs_beside_the_step_stream(tmp_path: Path) -> None:
     out = tmp_path / "hop.json"
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.bench.hop", "--variants", "grpc,link,driver,driver-grpc",
+        [sys.executable, "-m", "benchmarks.hop", "--variants", "grpc,link,driver,driver-grpc",
          "--rounds", "2", "--iters", "10", "--warmup", "5", "--shapes", "1x2x64", "1x1x64",
          "--runs", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=180,

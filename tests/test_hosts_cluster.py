@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from cluster.hosts.clusterfile import load_cluster_file
-from node.client import NodeClient
+from cluster.transport.node_client import NodeClient
 from tests import hostlab
 from tests.daemons import free_port, wait_until
 

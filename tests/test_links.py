@@ -6,9 +6,9 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
+from cluster.transport.hop_choice import HopChoice
+from cluster.transport.links import linux_interface_kind, local_links, macos_port_kinds
 from coordinator.service import hop_status
-from node.hop import HopChoice
-from node.links import linux_interface_kind, local_links, macos_port_kinds
 
 NETWORKSETUP = """
 Hardware Port: Ethernet

@@ -11,8 +11,8 @@ from conftest import CODE_PROMPTS, run
 from test_rollback import _assert_same_caches
 
 from cluster.decode.engine import GenerationRequest
+from cluster.decode.local_engine import open_local_engine
 from cluster.decode.runner import ShardRunner
-from cluster.local import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
 from cluster.model.loading import load_shard
 

@@ -25,10 +25,10 @@ from test_sampling import _homogeneity_pvalue
 
 from cluster.decode import verify
 from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.local_engine import LocalEngine, open_local_engine
 from cluster.decode.mtp_depth import Acceptance, DepthPolicy, best_depth
 from cluster.decode.sampling import RequestRandom
 from cluster.decode.step_cost import StepCost
-from cluster.local import LocalEngine, even_ranges, open_local_engine
 from cluster.messages import (
     RequestError,
     RequestOptions,
@@ -36,6 +36,7 @@ from cluster.messages import (
     StepRequest,
     parse_mtp_depth,
 )
+from cluster.model.shard import even_ranges
 
 node_factory = nodes.node_factory  # the fixture, for this module
 

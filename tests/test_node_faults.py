@@ -22,9 +22,9 @@ from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
 from cluster.decode.engine import GenerationOutput, GenerationRequest
 from cluster.messages import RequestError, RequestOptions
-from cluster.wire import MAX_MESSAGE_BYTES, grpc_channel_options
-from node.auth import token_metadata
-from node.client import NodeUnavailable
+from cluster.transport.auth import token_metadata
+from cluster.transport.node_client import NodeUnavailable
+from cluster.transport.wire import MAX_MESSAGE_BYTES, grpc_channel_options
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 

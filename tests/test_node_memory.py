@@ -21,7 +21,12 @@ from conftest import run
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.messages import StepRequest
-from node.client import NodeClient, NodeRequestError, RemotePipeline, load_pipeline
+from cluster.transport.node_client import (
+    NodeClient,
+    NodeRequestError,
+    RemotePipeline,
+    load_pipeline,
+)
 from node.server import MIN_MLX_CACHE_BYTES
 from tests.daemons import LISTENING, Daemon
 

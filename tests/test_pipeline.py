@@ -1,7 +1,7 @@
 """The pipeline across real node processes on loopback gives the single-process engine's tokens.
 
 One trio of `cluster node` processes serves the whole module; each test loads the layout it
-needs with LoadShard. The reference is the engine of `cluster.local` in this process
+needs with LoadShard. The reference is the engine of `cluster.decode.local_engine` in this process
 (conftest's `greedy_reference`). The nodes build their plain decode steps ahead
 (`--build-ahead on`: on the CPU, on a `HostDoorbell`), as they do on CUDA by default.
 """
@@ -18,8 +18,9 @@ from conftest import CODE_PROMPTS, REFERENCE_TOKENS, run
 from nodes import NodeGroup, active_requests, node_infos, remote_engine
 
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
-from cluster.local import even_ranges, open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestOptions, SamplingParams
+from cluster.model.shard import even_ranges
 from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory  # the fixture, for this module

@@ -13,7 +13,7 @@ from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import StepRequest
 from cluster.model.shard import ShardSpec
-from node.client import RemotePipeline
+from cluster.transport.node_client import RemotePipeline
 from node.stage import Stage, Subscribers
 from proto import cluster_pb2 as pb
 

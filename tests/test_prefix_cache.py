@@ -22,14 +22,14 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from nodes import NodeGroup, node_infos
 
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
+from cluster.decode.local_engine import open_local_engine
 from cluster.decode.prefix_index import PrefixEntry, PrefixIndex
-from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, StepRequest
+from cluster.transport.node_client import NodeClient, RemotePipeline, load_pipeline
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.discovery import NodeDirectory
 from coordinator.service import Coordinator
-from node.client import NodeClient, RemotePipeline, load_pipeline
 
 node_factory = nodes.node_factory  # the fixture, for this module
 

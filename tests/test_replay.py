@@ -16,11 +16,11 @@ import pytest
 from conftest import CODE_PROMPTS, run
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest, ResumePoint
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams, StepRequest
+from cluster.transport.node_client import NodeUnavailable
 from coordinator.admission import AdmissionController, OverCapacity
 from coordinator.replay import ReplayingEngine, with_seed
-from node.client import NodeUnavailable
 
 MAX_TOKENS = 32
 PREFILL_CHUNK = 8  # small, so that a replay's prefill spans several chunks

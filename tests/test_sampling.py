@@ -13,9 +13,9 @@ from scipy.stats import chi2_contingency
 
 import cluster.decode.verify as verify
 from cluster.decode.engine import GenerationRequest
+from cluster.decode.local_engine import open_local_engine
 from cluster.decode.prefix_index import PrefixIndex
 from cluster.decode.sampling import RequestRandom, log_probs, sample_with
-from cluster.local import open_local_engine
 from cluster.messages import RequestError, RequestOptions, SamplingParams
 
 # Requests per sample (each a batch of them at once). Power: in a run of 800, three

@@ -1,5 +1,5 @@
-"""The step stream between nodes over plain TCP (`node.step_link`), and a driver's results
-stream on the same port (`node.results_link`).
+"""The step stream between nodes over plain TCP (`cluster.transport.step_link`), and a driver's results
+stream on the same port (`cluster.transport.results_link`).
 
 In one process: steps and results arrive whole and in order; a wrong token, a malformed
 message and an oversized frame each end the stream, and the other end then sees it ended (a
@@ -25,13 +25,12 @@ import nodes
 import pytest
 from conftest import run
 
-from cluster import step_records, wire
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.messages import RequestOptions, StepRequest, StepResult
-from node.client import NodeClient, NodeUnavailable, load_pipeline
-from node.results_link import ResultsLink
-from node.stage import Downstream, Subscribers
-from node.step_link import (
+from cluster.transport import step_records, wire
+from cluster.transport.node_client import NodeClient, NodeUnavailable, load_pipeline
+from cluster.transport.results_link import ResultsLink
+from cluster.transport.step_link import (
     ACCEPTED,
     FRAME,
     MAGIC,
@@ -41,6 +40,7 @@ from node.step_link import (
     StepListener,
     StepSender,
 )
+from node.stage import Downstream, Subscribers
 from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory

@@ -1,4 +1,4 @@
-"""`cluster.step_records`: plain decode steps as records, the step stream's short form. A batch
+"""`cluster.transport.step_records`: plain decode steps as records, the step stream's short form. A batch
 comes back as the same steps and bit-exact hidden states; a step that needs more than records
 hold is left to the `StepBatch` (None); a frame that is not whole records is refused."""
 
@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cluster import step_records, wire
 from cluster.messages import RequestError, RequestOptions, StepRequest
+from cluster.transport import step_records, wire
 from proto import cluster_pb2 as pb
 
 STEPS = [

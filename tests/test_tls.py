@@ -10,10 +10,15 @@ import pytest
 from conftest import CODE_PROMPTS, run
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
-from cluster.local import open_local_engine
+from cluster.decode.local_engine import open_local_engine
+from cluster.transport.auth import TLSConfig
+from cluster.transport.node_client import (
+    NodeClient,
+    NodeUnavailable,
+    load_pipeline,
+    open_remote_engine,
+)
 from cluster.weights.service import WeightsService, serve_weights
-from node.auth import TLSConfig
-from node.client import NodeClient, NodeUnavailable, load_pipeline, open_remote_engine
 from tests import nodes
 
 node_factory = nodes.node_factory

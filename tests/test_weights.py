@@ -29,10 +29,11 @@ from conftest import CODE_PROMPTS, greedy_tokens, run
 from nodes import NodeGroup, node_infos
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
-from cluster.local import even_ranges, shard_specs
 from cluster.messages import RequestOptions
 from cluster.model.loading import shard_tensor_names
-from cluster.model.shard import ShardSpec
+from cluster.model.shard import ShardSpec, even_ranges, shard_specs
+from cluster.transport.auth import token_metadata
+from cluster.transport.node_client import NodeClient, NodeUnavailable, load_pipeline
 from cluster.weights import bulk
 from cluster.weights.fetch import CRASH_AFTER_ENV, ShardFetcher
 from cluster.weights.listing import models_command
@@ -50,8 +51,6 @@ from coordinator.cli import status_command
 from coordinator.discovery import NodeDirectory
 from coordinator.progress import ProgressBars, transfer_fraction
 from coordinator.service import Coordinator
-from node.auth import token_metadata
-from node.client import NodeClient, NodeUnavailable, load_pipeline
 from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory

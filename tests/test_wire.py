@@ -1,4 +1,4 @@
-"""Round trips through cluster.wire: every message, every tensor dtype, defaults and errors."""
+"""Round trips through cluster.transport.wire: every message, every tensor dtype, defaults and errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cluster import wire
 from cluster.messages import (
     RequestError,
     RequestOptions,
@@ -15,6 +14,7 @@ from cluster.messages import (
     StepRequest,
     StepResult,
 )
+from cluster.transport import wire
 from proto import cluster_pb2 as pb
 
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]

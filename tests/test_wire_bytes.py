@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cluster import wire
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from cluster.transport import wire
 from proto import cluster_pb2 as pb
 
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]

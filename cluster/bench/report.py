@@ -45,7 +45,7 @@ def versions() -> dict[str, Any]:
     """The software measured: this package, MLX, mlx-lm, Python, and the commit."""
     import mlx.core as mx
 
-    from cluster.bench.common import source_state
+    from benchmarks.common import source_state
 
     try:
         from importlib.metadata import version

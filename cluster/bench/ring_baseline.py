@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.bench.common import (
+from benchmarks.common import (
     CODE_PROMPTS,
     SAMPLED_TEMPERATURE,
     bench_parser,
@@ -133,7 +133,7 @@ def worker(args) -> None:
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import sharded_load
 
-    from cluster.bench.common import encode
+    from benchmarks.common import encode
 
     # One group: ops given no group use the default ("any") one, and a second ring group
     # on the same ports breaks the first (connection lost mid-run).

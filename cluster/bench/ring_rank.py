@@ -94,7 +94,7 @@ def _networks() -> list[dict[str, object]]:
 @click.option("--address", default=None, help="The cluster file's address: an IP or interface.")
 def ring_probe_command(model_dir: str, address: str | None) -> None:
     """What a ring rank here needs, this host's addresses, and a port free on all of them."""
-    from node.links import interface_address
+    from cluster.transport.links import interface_address
 
     connection = os.environ.get("SSH_CONNECTION", "").split()
     ssh_address = connection[2] if len(connection) >= 3 else ""

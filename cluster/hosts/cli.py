@@ -10,7 +10,7 @@ import click
 
 from cluster.hosts.bringup import BringUpError, bring_down, bring_up
 from cluster.hosts.clusterfile import ClusterFileError, load_cluster_file
-from cluster.local import parse_layers
+from cluster.model.shard import parse_layers
 from cluster.secret import SecretFileError
 
 

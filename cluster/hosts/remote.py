@@ -41,7 +41,7 @@ def hosts_group() -> None:
 @click.option("--address", default=None, help="The cluster file's address: an IP or interface.")
 def probe_command(model_dir: str, kind: str, address: str | None) -> None:
     """Version, platform, the address ssh came in on, and whether the model is here."""
-    from node.links import interface_address
+    from cluster.transport.links import interface_address
 
     connection = os.environ.get("SSH_CONNECTION", "").split()
     if address is not None:  # an interface name becomes its address here

@@ -8,6 +8,7 @@ one process is a single shard that is both head and tail.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -122,3 +123,33 @@ class ModelShard(nn.Module):
         if self.tied:
             return self.embed_tokens.as_linear(normed)
         return self.lm_head(normed)
+
+
+def shard_specs(ranges: list[tuple[int, int]]) -> list[ShardSpec]:
+    """Specs for contiguous ranges covering a model: the first is the head, the last the tail."""
+    for (_, end), (start, _) in itertools.pairwise(ranges):
+        if end != start:
+            raise ValueError(f"layer ranges must be contiguous: {ranges}")
+    last = len(ranges) - 1
+    return [ShardSpec(s, e, i == 0, i == last) for i, (s, e) in enumerate(ranges)]
+
+
+def even_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges of near-equal size (the earlier ones take the remainder)."""
+    if not 1 <= parts <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} parts")
+    base, extra = divmod(num_layers, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    """'0:3,3:8' -> [(0, 3), (3, 8)]"""
+    try:
+        return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise ValueError(f"--layers wants START:END,START:END,... got {text!r}") from None

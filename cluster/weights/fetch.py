@@ -24,6 +24,7 @@ import grpc
 
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec
+from cluster.transport.auth import TLSConfig, token_metadata
 from cluster.weights import bulk
 from cluster.weights.manifest import Manifest, ManifestError, manifest_for
 from cluster.weights.service import (
@@ -33,7 +34,6 @@ from cluster.weights.service import (
     weights_grpc_options,
 )
 from cluster.weights.store import CachedModel, ChunkRef, WeightsStore
-from node.auth import TLSConfig, token_metadata
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ def summaries_from_info(info: pb.NodeInfo) -> list[CachedModelSummary]:
 
 
 async def _node_infos(addresses: list[str], token: str) -> list[pb.NodeInfo | Exception]:
-    from node.client import NodeClient
+    from cluster.transport.node_client import NodeClient
 
     clients = [NodeClient(address, token) for address in addresses]
     try:

@@ -35,9 +35,9 @@ import grpc
 
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec
+from cluster.transport.auth import TOKEN_HEADER, TLSConfig
+from cluster.transport.wire import varint
 from cluster.weights.manifest import Manifest, ManifestError, manifest_for, snapshot_of
-from cluster.wire import varint
-from node.auth import TOKEN_HEADER, TLSConfig
 from proto import cluster_pb2 as pb
 
 if TYPE_CHECKING:

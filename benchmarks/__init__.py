@@ -1,0 +1,1 @@
+"""Design-decision benchmarks, run from a checkout: `python -m benchmarks.NAME`. Not installed."""

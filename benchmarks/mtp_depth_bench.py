@@ -1,0 +1,431 @@
+"""MTP at depths 0..4 and `auto` on the bundled model, in one run (issue 13).
+
+    python -m benchmarks.mtp_depth_bench [--json OUT] [--rounds 3] [--max-tokens 96]
+
+Part 1, end to end. The in-process engine decodes the code prompts of benchmarks.common
+(the style of the model's training text, none of them the tests' prompts) greedily, stop
+tokens ignored, once per variant per round, variants interleaved in a shuffled order:
+`off` (the request's `mtp` off), depths 0..4 (depth 0 feeds the MTP head but never drafts),
+`auto`, and `1-waits`: depth 1 with each step waiting for its verdict before the next one is
+built (`ShardRunner.mtp_lookahead` off; `1` is the backend's default). Decode tokens/s is
+tokens after the first over the time after the first, by wall clock and by process CPU time;
+ratios over `off` are medians of per-(round, prompt) ratios.
+Acceptance by depth: accepted / drafted, tokens per decode step, and the conditional rate at
+each draft position (the chance that draft i passes when the drafts before it did).
+
+Part 2, the cost of a step by number of positions on this machine: a bare whole-model runner
+steps one request of P = 1..9 positions ([y, d1..d_{P-1}], the request drafting P-1 for its
+next step), all kinds interleaved call by call, medians. Beside it the same positions with no
+drafts (so no GatedDeltaNet snapshots): the cost of keeping the states.
+
+Part 3, keep or recompute. A rejection restores the GatedDeltaNet state at the last kept
+position. Keeping costs memory (one state per draft position per layer: the bytes are
+printed for this model and for Qwen3.5-27B's shape) and, on the ops path, no compute (part
+2). Recomputing instead would store the step's per-position inputs and re-run the recurrence
+over the kept positions at the next step: its time is measured here on this model's shape.
+
+Part 4, a prediction (not a measurement) for a machine where a step is bound by reading the
+weights, so that a step over up to 8 positions costs what one costs: each draft then costs
+one MTP link (the MTP layer and an lm_head row), c of a plain step, and depth k gives
+E(k) / (1 + k c) over no MTP, with E(k) from the acceptances measured in part 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import _gated_delta_step_ops
+
+from benchmarks.common import (
+    CODE_PROMPTS,
+    default_model,
+    encode,
+    load_tokenizer,
+    machine,
+    median,
+    paired_ratios,
+    spread,
+    write_json,
+)
+from benchmarks.stepping import SteppedRequests, bare_runner, interleaved
+from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.local_engine import open_local_engine
+from cluster.decode.runner import ShardRunner, mtp_lookahead_default
+from cluster.messages import RequestOptions
+
+WAITING = "1-waits"
+VARIANTS = ("off", "0", "1", WAITING, "2", "3", "4", "auto")
+MAX_POSITIONS = 9
+# Qwen3.5-27B at 4 bits (BENCHMARKS.md, GPU run A): a plain step reads 13.70 GB of layers
+# and 0.72 GB of lm_head over 64 layers; an MTP link reads one layer's share and the lm_head.
+STEP_GB_27B, LAYERS_GB_27B, LM_HEAD_GB_27B, LAYERS_27B = 14.42, 13.70, 0.72, 64
+GDN_27B = {"layers": 48, "v_heads": 48, "k_heads": 16, "head_dim": 128, "conv_kernel": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    variant: str
+    round: int
+    prompt: int
+    tokens: int
+    decode_tps: float
+    cpu_tps: float
+    drafted: int
+    accepted: int
+    verdicts: tuple[tuple[int, int], ...]  # (drafts verified, accepted) of each decode step
+
+
+def _options(variant: str) -> RequestOptions:
+    if variant == "off":
+        return RequestOptions(mtp=False)
+    if variant == "auto":
+        return RequestOptions(mtp_depth="auto")
+    return RequestOptions(mtp_depth=int(variant.split("-")[0]))
+
+
+async def _decode(engine: GenerationEngine, ids, variant: str, max_tokens: int) -> Run:
+    stamps: list[tuple[float, float]] = []
+    tokens, verdicts, drafted, accepted, chunk = 0, [], 0, 0, None
+    async for chunk in engine.stream(GenerationRequest(ids, max_tokens, _options(variant))):
+        stamps.append((time.perf_counter(), time.process_time()))
+        tokens += len(chunk.tokens)
+        if len(stamps) > 1:
+            verdicts.append((chunk.drafted - drafted, chunk.accepted - accepted))
+        drafted, accepted = chunk.drafted, chunk.accepted
+    (w0, c0), (w1, c1) = stamps[0], stamps[-1]
+    after = tokens - 1
+    return Run(
+        variant, 0, 0, tokens, after / (w1 - w0), after / (c1 - c0), chunk.drafted,
+        chunk.accepted, tuple(verdicts),
+    )  # fmt: skip
+
+
+async def measure_runs(model_dir: Path, prompts, rounds: int, max_tokens: int) -> list[Run]:
+    local = await open_local_engine(model_dir, mtp=True)
+    order = random.Random(13)
+    runs: list[Run] = []
+    ahead = mtp_lookahead_default()
+
+    async def decode(ids, variant: str, max_tokens: int) -> Run:
+        for runner in local.runners:
+            runner.mtp_lookahead = ahead and variant != WAITING
+        return await _decode(local.engine, ids, variant, max_tokens)
+
+    try:
+        for variant in VARIANTS:  # warm-up: compile and allocate
+            await decode(prompts[0], variant, 8)
+        for r in range(rounds):
+            for p, ids in enumerate(prompts):
+                variants = list(VARIANTS)
+                order.shuffle(variants)
+                for variant in variants:
+                    run = await decode(ids, variant, max_tokens)
+                    runs.append(Run(**{**asdict(run), "round": r, "prompt": p}))
+            print(f"round {r + 1}/{rounds} done", flush=True)
+    finally:
+        local.close()
+    return runs
+
+
+def conditional_rates(verdicts) -> list[float | None]:
+    """The chance that draft i passes when the drafts before it passed, from all verdicts."""
+    judged: list[int] = []
+    passed: list[int] = []
+    for drafts, accepted in verdicts:
+        while len(judged) < drafts:
+            judged.append(0)
+            passed.append(0)
+        for i in range(min(accepted + 1, drafts)):
+            judged[i] += 1
+            passed[i] += i < accepted
+    return [p / j if j else None for p, j in zip(passed, judged, strict=True)]
+
+
+def expected_tokens(rates: list[float | None], depth: int) -> float:
+    total, reach = 1.0, 1.0
+    for rate in rates[:depth]:
+        reach *= rate or 0.0
+        total += reach
+    return total
+
+
+def summarize_runs(runs: list[Run]) -> dict:
+    off = {(r.round, r.prompt): r for r in runs if r.variant == "off"}
+    out = {}
+    for variant in VARIANTS:
+        mine = [r for r in runs if r.variant == variant]
+        verdicts = [v for r in mine for v in r.verdicts]
+        drafted = sum(r.drafted for r in mine)
+        histogram: dict[int, int] = {}
+        for drafts, _ in verdicts:
+            histogram[drafts] = histogram.get(drafts, 0) + 1
+        row = {
+            "decode_tps": median(r.decode_tps for r in mine),
+            "cpu_tps": median(r.cpu_tps for r in mine),
+            "tokens_per_step": sum(r.tokens - 1 for r in mine) / max(len(verdicts), 1),
+            "acceptance": sum(r.accepted for r in mine) / drafted if drafted else None,
+            "drafted": drafted,
+            "drafts_per_step": dict(sorted(histogram.items())),
+            "conditional_rates": conditional_rates(verdicts),
+        }
+        for clock in ("decode_tps", "cpu_tps"):
+            ratios = paired_ratios(
+                [getattr(r, clock) for r in mine],
+                [getattr(off[(r.round, r.prompt)], clock) for r in mine],
+            )
+            row[f"{clock}_over_off"] = (median(ratios), *spread(ratios))
+        out[variant] = row
+    return out
+
+
+# ---- part 2: a step by number of positions ----
+
+
+def measure_steps(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
+    """Median ms of a whole-model step of 1..MAX_POSITIONS positions (the tail's verify and
+    drafts included), and of the backbone alone over as many positions, interleaved."""
+    hidden = runner.shard.hidden_size
+    x = [mx.random.normal((1, p, hidden)).astype(mx.bfloat16) for p in range(MAX_POSITIONS + 1)]
+    mx.eval(x[1:])
+    kinds: dict[tuple[str, int], Callable[[], float]] = {}
+    for p in range(1, MAX_POSITIONS + 1):
+        kinds[("step", p)] = SteppedRequests(runner, ids, depth=p - 1, name=f"p{p}")
+        kinds[("backbone", p)] = functools.partial(_time_backbone, runner, x[p], p)
+    times = interleaved(kinds, iters, warmup=3, seed=5)
+    out = {}
+    for kind in ("step", "backbone"):
+        one = median(times[(kind, 1)])
+        out[kind] = {
+            p: {"ms": median(t) * 1000, "over_1": median(t) / one, "per_row": median(t) / one / p}
+            for (k, p), t in sorted(times.items())
+            if k == kind
+        }
+    return out
+
+
+# ---- part 3: keep the GatedDeltaNet states, or recompute them ----
+
+
+def measure_keep_and_recompute(runner: ShardRunner, iters: int) -> dict:
+    """The backbone over P positions on a fresh cache, snapshots at every draft position or
+    none; and the recurrence alone over r positions, all GDN layers: what a recompute adds."""
+    shard = runner.shard
+    hidden = shard.hidden_size
+    gdn = [layer.linear_attn for layer in shard.layers if layer.is_linear]
+    out: dict = {"snapshot": {}, "recompute": {}}
+    order = random.Random(7)
+    kinds = [("keep", p) for p in range(2, 6)] + [("none", p) for p in range(2, 6)]
+    kinds += [("recurrence", r) for r in range(1, 5)]
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in kinds}
+    key = mx.random.key(0)
+    x = {p: mx.random.normal((1, p, hidden), key=key).astype(mx.bfloat16) for p in range(2, 6)}
+    mx.eval(list(x.values()))
+    for i in range(iters + 2):
+        order.shuffle(kinds)
+        for kind, n in kinds:
+            elapsed = (
+                _time_recurrence(gdn, n)
+                if kind == "recurrence"
+                else _time_backbone(runner, x[n], 1 if kind == "keep" else n)
+            )
+            if i >= 2:
+                times[(kind, n)].append(elapsed)
+    for p in range(2, 6):
+        keep, none = median(times[("keep", p)]), median(times[("none", p)])
+        out["snapshot"][p] = {"keep_ms": keep * 1000, "none_ms": none * 1000, "ratio": keep / none}
+    for r in range(1, 5):
+        out["recompute"][r] = {"ms": median(times[("recurrence", r)]) * 1000}
+    out["state_bytes_per_position"] = {
+        "this_model": _state_bytes(len(gdn), gdn[0]) if gdn else 0,
+        "qwen3_5_27b": _state_bytes_27b(),
+    }
+    out["recompute_input_bytes_per_position_27b"] = _input_bytes_27b()
+    return out
+
+
+def _time_backbone(runner: ShardRunner, x: mx.array, n_confirmed: int) -> float:
+    from cluster.model.cache import RequestCache
+    from cluster.model.layers import Segment
+
+    cache = RequestCache.for_layers(runner.shard.linear_flags)
+    cache.begin_step(0, x.shape[1])
+    t0 = time.perf_counter()
+    mx.eval(runner.shard(x, [Segment(cache, x.shape[1], n_confirmed)]))
+    return time.perf_counter() - t0
+
+
+def _time_recurrence(layers, positions: int) -> float:
+    """The gated delta recurrence of every GDN layer over `positions`, from inputs at hand."""
+    layer = layers[0]
+    hv, hk, dv, dk = layer.num_v_heads, layer.num_k_heads, layer.head_v_dim, layer.head_k_dim
+    key = mx.random.key(1)
+    q = mx.random.normal((1, positions, hv, dk), key=key)
+    k, v = q, mx.random.normal((1, positions, hv, dv), key=key)
+    g = beta = mx.full((1, positions, hv), 0.5)
+    state = mx.zeros((1, hv, dv, dk))
+    mx.eval(q, v, g, state)
+    del hk
+    t0 = time.perf_counter()
+    outs = []
+    for _ in layers:
+        s = state
+        for t in range(positions):
+            _, s = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        outs.append(s)
+    mx.eval(outs)
+    return time.perf_counter() - t0
+
+
+def _state_bytes(n_layers: int, layer) -> int:
+    conv = layer.conv_dim * (layer.conv_kernel_size - 1) * 2  # bf16
+    recurrent = layer.num_v_heads * layer.head_v_dim * layer.head_k_dim * 4  # float32
+    return n_layers * (conv + recurrent)
+
+
+def _state_bytes_27b() -> int:
+    s = GDN_27B
+    conv_dim = (2 * s["k_heads"] + s["v_heads"]) * s["head_dim"]
+    conv = conv_dim * (s["conv_kernel"] - 1) * 2
+    recurrent = s["v_heads"] * s["head_dim"] ** 2 * 4
+    return s["layers"] * (conv + recurrent)
+
+
+def _input_bytes_27b() -> int:
+    """q, k, v (bf16) and g, beta (float32) of one position, all GDN layers."""
+    s = GDN_27B
+    qkv = (2 * s["k_heads"] + s["v_heads"]) * s["head_dim"] * 2
+    return s["layers"] * (qkv + 2 * s["v_heads"] * 4)
+
+
+# ---- part 4: the prediction ----
+
+
+def predict_bandwidth_bound(rates: list[float | None]) -> dict:
+    link = (LAYERS_GB_27B / LAYERS_27B + LM_HEAD_GB_27B) / STEP_GB_27B
+    return {
+        "mtp_link_over_step": link,
+        "speedup_by_depth": {
+            k: expected_tokens(rates, k) / (1 + k * link) for k in range(1, len(rates) + 1)
+        },
+    }
+
+
+def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
+    """Parts 2 and 3, printed."""
+    steps = measure_steps(runner, ids, iters)
+    print("\npositions  step ms (over 1, per row)     backbone alone ms (over 1, per row)")
+    for p in steps["step"]:
+        a, b = steps["step"][p], steps["backbone"][p]
+        print(
+            f"{p:9d}  {a['ms']:7.2f} ({a['over_1']:5.2f}x, {a['per_row']:4.2f}x)"
+            f"  {b['ms']:7.2f} ({b['over_1']:5.2f}x, {b['per_row']:4.2f}x)"
+        )
+    keep = measure_keep_and_recompute(runner, iters)
+    print("backbone over P positions, snapshots kept at each draft / none:")
+    for p, row in keep["snapshot"].items():
+        print(f"  P={p}: {row['keep_ms']:.2f} / {row['none_ms']:.2f} ms ({row['ratio']:.3f}x)")
+    print("recurrence of every GDN layer over r positions (what a recompute adds):")
+    for r, row in keep["recompute"].items():
+        print(f"  r={r}: {row['ms']:.2f} ms")
+    sb = keep["state_bytes_per_position"]
+    print(
+        f"state kept per draft position: {sb['this_model'] / 1e6:.2f} MB here, "
+        f"{sb['qwen3_5_27b'] / 1e6:.1f} MB at the 27B shape (inputs a recompute would keep: "
+        f"{keep['recompute_input_bytes_per_position_27b'] / 1e6:.2f} MB)"
+    )
+
+    return {"step_by_positions": steps, "keep_or_recompute": keep}
+
+
+def shape_steps(args) -> None:
+    """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
+    from benchmarks.gpu_bench.run import device_name
+    from benchmarks.gpu_bench.step_timing import free_memory
+    from benchmarks import random_checkpoint
+    from cluster.config import load_model_config
+
+    started = time.perf_counter()
+    path = args.model or random_checkpoint.default_dir(args.shape, args.bits)
+    report: dict = {
+        "machine": {**machine(), "gpu": device_name()},
+        "args": vars(args) | {"model": str(path)},
+        "checkpoint": random_checkpoint.write_checkpoint(path, args.shape, args.bits, 64, 0),
+    }
+    free_memory()
+    print(f"checkpoint {path}: {report['checkpoint']}", flush=True)
+    prompt = random_checkpoint.bench_prompt(load_model_config(path).text.vocab_size, 64)
+    runner = bare_runner(path)
+    report.update(steps_and_keep(runner, prompt, args.step_iters))
+    report["seconds"] = time.perf_counter() - started
+    print(f"\n{report['seconds']:.0f} s")
+    write_json(args.json, report)
+
+
+# ---- the run ----
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--step-iters", type=int, default=30)
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a real model's shape with random weights (benchmarks.random_checkpoint's, e.g. "
+        "qwen3_5_27b): parts 2 and 3 only, acceptance needs trained weights",
+    )
+    parser.add_argument("--bits", type=int, default=4, help="with --shape; 16: bf16")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if args.shape:
+        shape_steps(args)
+        return
+    model_dir = args.model or default_model()
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [encode(tokenizer, p) for p in CODE_PROMPTS]
+    report: dict = {"machine": machine(), "args": vars(args) | {"model": str(model_dir)}}
+
+    runs = asyncio.run(measure_runs(model_dir, prompts, args.rounds, args.max_tokens))
+    summary = summarize_runs(runs)
+    report["runs"] = [asdict(r) for r in runs]
+    report["by_variant"] = summary
+    print("\nvariant  tok/s  (cpu)   over off wall [iqr]     cpu   tokens/step  acceptance")
+    for variant, row in summary.items():
+        ratio, lo, hi = row["decode_tps_over_off"]
+        acc = f"{row['acceptance']:.1%}" if row["acceptance"] is not None else "-"
+        print(
+            f"{variant:>7} {row['decode_tps']:6.1f} ({row['cpu_tps']:5.1f})  {ratio:5.2f}x "
+            f"[{lo:.2f}-{hi:.2f}]  {row['cpu_tps_over_off'][0]:5.2f}x  "
+            f"{row['tokens_per_step']:5.2f}  {acc}  drafts/step {row['drafts_per_step']}"
+        )
+    rates = summary["4"]["conditional_rates"]
+    print("conditional acceptance by draft position (depth 4):", [f"{r:.2f}" for r in rates])
+
+    runner = bare_runner(model_dir)
+    report.update(steps_and_keep(runner, prompts[0], args.step_iters))
+    prediction = predict_bandwidth_bound(rates)
+    report["prediction_bandwidth_bound"] = prediction
+    print(
+        f"\nPREDICTION (bandwidth-bound step, MTP link = "
+        f"{prediction['mtp_link_over_step']:.3f} step at the 27B 4-bit shape):"
+    )
+    for k, speedup in prediction["speedup_by_depth"].items():
+        print(f"  depth {k}: {speedup:.2f}x over no MTP")
+    report["seconds"] = time.perf_counter() - started
+    print(f"\n{report['seconds']:.0f} s")
+    write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()

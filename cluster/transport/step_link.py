@@ -1,0 +1,338 @@
+"""The step stream from a node to its successor over plain TCP, beside gRPC; and on the same
+port, a driver's results stream from a node.
+
+A decode step crosses every hop, so a hop's cost is paid once per node per token. Over a
+grpc.aio stream a hop took 1.8x a bare grpc.aio echo (BENCHMARKS.md, "Hop, the measured
+cause"): the step's codec runs inside gRPC's message path, cold, and gRPC's own per-message
+Python work comes on top. The same serialized `StepBatch` (`wire.step_batch_bytes`) sent as a
+length-prefixed frame on an asyncio TCP stream costs about what the echo costs. The control
+plane (LoadShard, Info, Release) stays on gRPC, and so does everything under TLS: the
+successor advertises this port in its `NodeInfo.step_port` only when it serves without TLS.
+
+The stream is one-way, as the gRPC one is used:
+
+    sender:   MAGIC, u32 token length, token         (once; a wrong token closes the stream)
+    listener: ACCEPTED                               (once)
+    sender:   per step: u32 length, a serialized StepBatch; or, to a listener whose node says
+              it reads them (`NodeInfo.step_records`), u32 length | RECORDS_FLAG and a batch
+              of plain decode steps as records (`cluster.transport.step_records`)
+
+A malformed frame closes the stream (the sender sees it broken and opens a new one); results
+and errors reach the driver over its results stream.
+
+The driver's legs take the same port where it can: its steps to the head as a step stream, and
+each node's results back as a results stream (`cluster.transport.results_link`), the gRPC Results stream's
+twin, which answers its hello once the subscription is in place:
+
+    driver:   RESULTS_MAGIC, u32 token length, token (once)
+    listener: ACCEPTED                               (once, subscribed: nothing later is lost)
+    listener: per result batch: u32 length, a serialized ResultBatch
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError
+
+from cluster.messages import RequestError
+from cluster.transport import step_records
+from cluster.transport.step_records import StepRecords
+from cluster.transport.wire import WireError
+from proto import cluster_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"CSL1"
+RESULTS_MAGIC = b"CSR1"
+FRAME = struct.Struct("<I")
+MAX_TOKEN_BYTES = 4096
+MAX_FRAME_BYTES = 1 << 30  # a prefill chunk's hidden states, with room to spare
+RECORDS_FLAG = 1 << 31  # in a step frame's length: the frame holds step records
+HELLO_TIMEOUT_S = 10.0
+ACCEPTED = b"\x01"  # the listener's one answer, after a good hello
+
+
+class StepLinkError(ConnectionError):
+    """The link to the successor could not be opened or broke."""
+
+
+class FrameError(ValueError):
+    """A frame that does not hold a message of its stream."""
+
+
+# The messages that travel in frames: steps one way, a driver's results the other.
+Message = TypeVar("Message", pb.StepBatch, pb.ResultBatch)
+
+
+class FrameReader:
+    """The messages of a stream's whole frames (u32 length, a serialized `kind`; with
+    `records`, also step records frames), read by read. A read that starts with no partial
+    frame pending, as a step's read does, is parsed from its own bytes, not copied into a
+    buffer first; only a frame's unfinished part is kept (`pending`) for the next read."""
+
+    def __init__(self, kind: type[Message], what: str, records: bool = False):
+        self._parse = kind.FromString
+        self._what = what
+        self._records = records
+        self.pending = bytearray()  # the start of a frame (or of a hello) not yet whole
+
+    def each(self, data: bytes, handle: Callable[[Message | StepRecords], None]) -> None:
+        """`handle` the message of each whole frame in `pending` and then `data`, as `frames`
+        yields them. A read that is one whole frame with nothing pending, as a decode step's
+        is, skips the generator's bookkeeping: a fifth of a hop's receive."""
+        if not self.pending and len(data) >= FRAME.size:
+            size, parse = self._header(data, 0)
+            if len(data) == FRAME.size + size:
+                handle(self._message(data, FRAME.size, len(data), parse))
+                return
+        for message in self.frames(data):
+            handle(message)
+
+    def frames(self, data: bytes) -> Iterator[Message | StepRecords]:
+        """The messages of the whole frames in `pending` and then `data`, each parsed from
+        the bytes themselves; a frame over MAX_FRAME_BYTES, or one that is not a `what`,
+        raises FrameError. What the caller does not take (it stopped, or raised while
+        handling a message) stays pending, from the frame after the last one yielded."""
+        if self.pending:
+            self.pending += data
+            data, self.pending = self.pending, bytearray()
+        offset = 0
+        try:
+            while len(data) - offset >= FRAME.size:
+                size, parse = self._header(data, offset)
+                end = offset + FRAME.size + size
+                if len(data) < end:
+                    break
+                message = self._message(data, offset + FRAME.size, end, parse)
+                offset = end
+                yield message
+        finally:  # the rest goes before any read that came meanwhile (none, as used here)
+            if isinstance(data, bytearray):  # what was pending: keep its rest, not a copy
+                del data[:offset]  # no view holds it now: it cannot shrink while one does
+                data += self.pending
+                self.pending = data
+            elif offset < len(data):
+                self.pending[:0] = memoryview(data)[offset:]
+
+    def _header(self, data: bytes, offset: int) -> tuple[int, Callable]:
+        """The size of the frame at `offset` and what parses it; FrameError if too big."""
+        (size,) = FRAME.unpack_from(data, offset)
+        parse = self._parse
+        if self._records and size & RECORDS_FLAG:
+            size, parse = size & ~RECORDS_FLAG, step_records.decode
+        if size > MAX_FRAME_BYTES:
+            raise FrameError(f"a {size}-byte frame")
+        return size, parse
+
+    def _message(self, data: bytes, start: int, end: int, parse: Callable) -> Message | StepRecords:
+        with memoryview(data) as view, view[start:end] as frame:
+            try:
+                return parse(frame)
+            except (DecodeError, WireError, RequestError) as error:
+                raise FrameError(f"a malformed {self._what} ({error})") from None
+
+
+def _no_delay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# A results subscription: given the stream's writer of serialized ResultBatch messages, it
+# registers it and returns what unregisters it (`node.stage.Subscribers.add_link`).
+Subscribe = Callable[[Callable[[bytes], None]], Callable[[], None]]
+
+
+class StepListener:
+    """Accepts step streams from predecessors and hands each message to `accept`, in the
+    event loop's own callback as its bytes arrive (no task per stream: a step reaches the
+    stage without a task switch). With `subscribe`, it also serves results streams."""
+
+    def __init__(
+        self,
+        token: str,
+        accept: Callable[[pb.StepBatch | StepRecords], None],
+        subscribe: Subscribe | None = None,
+    ):
+        self.token = token.encode()
+        self.accept = accept
+        self.subscribe = subscribe
+        self._server: asyncio.Server | None = None
+        self.streams: set[_StepStream] = set()
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _StepStream(self), host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for stream in list(self.streams):
+                stream.close()
+            await self._server.wait_closed()
+            self._server = None
+
+
+class _StepStream(asyncio.Protocol):
+    """One predecessor's stream: the hello, then length-prefixed steps; or a driver's results
+    stream: the hello, then length-prefixed results the other way."""
+
+    def __init__(self, listener: StepListener):
+        self._listener = listener
+        self._reader = FrameReader(pb.StepBatch, "step", records=True)
+        self._greeted = False
+        self._transport: asyncio.Transport | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._unsubscribe: Callable[[], None] | None = None  # a results stream's
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._listener.streams.add(self)
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._listener.streams.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._unsubscribe is not None:
+            self._refuse("data on a results stream")  # a driver only ever reads from it
+            return
+        if not self._greeted:
+            self._reader.pending += data
+            if not self._hello():
+                return
+            data = b""
+        self._steps(data)
+
+    def _hello(self) -> bool:
+        """Read the hello at the start of the pending bytes: True once a good one opened a
+        step stream (the bytes after it are steps)."""
+        buffer = self._reader.pending
+        head = len(MAGIC) + FRAME.size
+        if len(buffer) < head:
+            return False
+        (size,) = FRAME.unpack_from(buffer, len(MAGIC))
+        magic = bytes(buffer[: len(MAGIC)])
+        results = magic == RESULTS_MAGIC and self._listener.subscribe is not None
+        if (magic != MAGIC and not results) or size > MAX_TOKEN_BYTES:
+            self._refuse("bad hello")
+            return False
+        if len(buffer) < head + size:
+            return False
+        if not hmac.compare_digest(bytes(buffer[head : head + size]), self._listener.token):
+            self._refuse("wrong cluster token")
+            return False
+        del buffer[: head + size]
+        self._greeted = True
+        self._hello_timer.cancel()
+        if results:
+            if buffer:
+                self._refuse("data on a results stream")
+                return False
+            self._unsubscribe = self._listener.subscribe(self._write_results)
+        self._transport.write(ACCEPTED)
+        return not results
+
+    def _write_results(self, payload: bytes) -> None:
+        """One serialized ResultBatch to the driver (buffered by the transport, as the gRPC
+        stream's queue buffers for a slow reader)."""
+        self._transport.write(FRAME.pack(len(payload)) + payload)
+
+    def _steps(self, data: bytes) -> None:
+        try:
+            self._reader.each(data, self._listener.accept)
+        except FrameError as error:
+            self._refuse(str(error))
+
+    def _refuse(self, why: str) -> None:
+        log.warning("closed the step stream from %s: %s", self._peer, why)
+        self._reader.pending.clear()
+        self.close()
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class StepSender:
+    """One step stream to a successor's `StepListener`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str):
+        self.address = address
+        self._writer = writer
+        # The successor never writes after its hello answer: a read that ends is the stream
+        # closed under us (the successor stopped, or refused a frame).
+        self._closed = asyncio.ensure_future(reader.read())
+        self._closed.add_done_callback(_consume)  # a reset is what `broken` reports, no more
+
+    @classmethod
+    async def open(cls, host: str, port: int, token: str, timeout_s: float = 10.0) -> StepSender:
+        address = f"{host}:{port}"
+        secret = token.encode()
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as error:
+            raise StepLinkError(f"cannot open a step stream to {address}: {error}") from None
+        _no_delay(writer)
+        writer.write(MAGIC + FRAME.pack(len(secret)) + secret)
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await reader.read(len(ACCEPTED))
+        except (OSError, TimeoutError):
+            answer = b""  # closed or reset on us: refused
+        if answer != ACCEPTED:
+            writer.close()
+            raise StepLinkError(f"{address} refused the step stream (a wrong cluster token?)")
+        return cls(reader, writer, address)
+
+    @property
+    def broken(self) -> bool:
+        return self._closed.done() or self._writer.is_closing()
+
+    async def ended(self) -> None:
+        """Wait until the successor ends the stream (it stopped, or refused a frame)."""
+        await asyncio.wait([self._closed])
+
+    async def send(self, payload: bytes, records: bool = False) -> None:
+        """Queue one serialized StepBatch (`records`: step records, to a listener whose node
+        reads them) and wait while the socket's buffer is full."""
+        if self.broken:
+            raise StepLinkError(f"the step stream to {self.address} was closed")
+        if len(payload) > MAX_FRAME_BYTES:
+            raise StepLinkError(f"a step of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+        size = len(payload) | RECORDS_FLAG if records else len(payload)
+        self._writer.writelines((FRAME.pack(size), payload))
+        await self._writer.drain()
+
+    async def close(self) -> None:
+        self._closed.cancel()
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
