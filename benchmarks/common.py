@@ -25,8 +25,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from cluster.bench.report import source_state
+from cluster.commands.up import local_node_command
 from cluster.config import bundled_model_path
-from coordinator.cli import local_node_command
 
 # Code prompts in the style the bundled model was trained on (CPython's standard library);
 # the last is its chat form ("Show me the source of NAME").
@@ -65,25 +66,6 @@ def machine() -> dict:
         "load_average": os.getloadavg(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **source_state(),
-    }
-
-
-def source_state() -> dict:
-    """The commit measured, and the tracked files that differ from it."""
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str:
-        try:
-            out = subprocess.run(
-                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return out.stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "modified": git("status", "--short", "--untracked-files=no").splitlines(),
     }
 
 
@@ -183,10 +165,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def bench_parser(
     module: str, description: str | None, *, json: bool = True, model: bool = True
 ) -> argparse.ArgumentParser:
-    """The parser a `python -m cluster.bench.<module>` script starts from: its docstring as the
+    """The parser a `python -m benchmarks.<module>` script starts from: its docstring as the
     help, `--json OUT` and `--model DIR` (the bundled model by default)."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m cluster.bench.{module}",
+        prog=f"python -m benchmarks.{module}",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -7,9 +7,10 @@ An echo server runs in a child process (a node is its own process); the client s
 decode-size step (one request, 2 tokens, bf16 hidden states) and waits for the echo. One way
 is half the round trip, and each way does a hop's real work:
 
-  link       the nodes' step stream (`cluster.transport.step_link`), as between nodes now: the step as
-             records (`cluster.transport.step_records`) each way over the product's TCP link (the server
-             replies over a link of its own), decoded and encoded again as a node does
+  link       the nodes' step stream (`cluster.transport.step_link`), as between nodes now:
+             the step as records (`cluster.transport.step_records`) each way over the
+             product's TCP link (the server replies over a link of its own), decoded and
+             encoded again as a node does
   proto      grpc.aio bidi stream of `StepBatch`, as every hop under TLS: the sender
              serializes as a node sends on the step it received (`wire.forwarded_step_bytes`),
              the receiver parses (`StepBatch.FromString`) and decodes (entries + mx.array);
@@ -45,7 +46,7 @@ per setting; gRPC may log the GOAWAYs of their teardown, GRPC_VERBOSITY=ERROR qu
 
 `--runs N` times everything N times over, each run with an echo server and streams of its
 own: where the processes' threads fall on the cores moves a run's figures more than anything
-compared here (the echo 44-89 µs from run to run on H200 hosts, BENCHMARKS.md run AU), so
+compared here (the echo 44-89 µs from run to run on H200 hosts, BENCHMARKS.md), so
 the link's ratio to the echo, the hop goal's, is printed per run. On a many-core machine, pin
 the run to two cores (`taskset -c 2,3`) to time the transports rather than idle-core wakeups.
 Like every cluster process it runs gRPC's older I/O path (`cluster.transport.grpc_io`);

@@ -1,22 +1,30 @@
-"""MTP at depths 0..4 and `auto` on the bundled model, in one run (issue 13).
+"""MTP on and off, at depths 0..4 and `auto`, against mlx-lm, on the bundled model in one run.
 
     python -m benchmarks.mtp_depth_bench [--json OUT] [--rounds 3] [--max-tokens 96]
+        [--sampling greedy,sampled] [--no-mlx-lm]
 
 Part 1, end to end. The in-process engine decodes the code prompts of benchmarks.common
-(the style of the model's training text, none of them the tests' prompts) greedily, stop
-tokens ignored, once per variant per round, variants interleaved in a shuffled order:
+(the style of the model's training text, none of them the tests' prompts), stop tokens
+ignored, once per variant per round and sampling mode (greedy; sampled at the model card's
+temperature, a fixed seed per round and prompt), variants interleaved in a shuffled order:
 `off` (the request's `mtp` off), depths 0..4 (depth 0 feeds the MTP head but never drafts),
-`auto`, and `1-waits`: depth 1 with each step waiting for its verdict before the next one is
-built (`ShardRunner.mtp_lookahead` off; `1` is the backend's default). Decode tokens/s is
-tokens after the first over the time after the first, by wall clock and by process CPU time;
-ratios over `off` are medians of per-(round, prompt) ratios.
-Acceptance by depth: accepted / drafted, tokens per decode step, and the conditional rate at
-each draft position (the chance that draft i passes when the drafts before it did).
+`auto`, `1-waits`: depth 1 with each step waiting for its verdict before the next one is
+built (`ShardRunner.mtp_lookahead` off; `1` is the backend's default), and `mlx-lm`: mlx-lm's
+`stream_generate` on the same directory, prompts and seeds. Decode tokens/s is tokens after
+the first over the time after the first, by wall clock and by process CPU time (which a busy
+shared machine disturbs less; mlx-lm overlaps graph building with compute on a second thread,
+which the wall clock rewards and CPU time does not); ratios over `off` are medians of
+per-(round, prompt) ratios. Acceptance by depth: accepted / drafted, tokens per decode step,
+and the conditional rate at each draft position (the chance that draft i passes when the
+drafts before it did).
 
 Part 2, the cost of a step by number of positions on this machine: a bare whole-model runner
 steps one request of P = 1..9 positions ([y, d1..d_{P-1}], the request drafting P-1 for its
 next step), all kinds interleaved call by call, medians. Beside it the same positions with no
-drafts (so no GatedDeltaNet snapshots): the cost of keeping the states.
+drafts (so no GatedDeltaNet snapshots): the cost of keeping the states; and mlx-lm's own
+forward of 1 and 2 tokens on a warm cache, what its speculative decoding would pay. With
+acceptance a, depth 1 emits 1 + a tokens a step, so it predicts (1 + a) / (step of 2 / step
+of 1) over off, printed beside part 1's measured ratio.
 
 Part 3, keep or recompute. A rejection restores the GatedDeltaNet state at the last kept
 position. Keeping costs memory (one state per draft position per layer: the bytes are
@@ -46,6 +54,8 @@ from mlx_lm.models.gated_delta import _gated_delta_step_ops
 
 from benchmarks.common import (
     CODE_PROMPTS,
+    SAMPLED_TEMPERATURE,
+    bench_parser,
     default_model,
     encode,
     load_tokenizer,
@@ -55,16 +65,19 @@ from benchmarks.common import (
     spread,
     write_json,
 )
-from benchmarks.stepping import SteppedRequests, bare_runner, interleaved
+from benchmarks.stepping import LMForward, SteppedRequests, bare_runner, interleaved
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.decode.runner import ShardRunner, mtp_lookahead_default
-from cluster.messages import RequestOptions
+from cluster.messages import RequestOptions, SamplingParams
 
 WAITING = "1-waits"
-VARIANTS = ("off", "0", "1", WAITING, "2", "3", "4", "auto")
+MLX_LM = "mlx-lm"
+VARIANTS = ("off", "0", "1", WAITING, "2", "3", "4", "auto", MLX_LM)
+MODES = {"greedy": 0.0, "sampled": SAMPLED_TEMPERATURE}
+GREEDY = SamplingParams()
 MAX_POSITIONS = 9
-# Qwen3.5-27B at 4 bits (BENCHMARKS.md, GPU run A): a plain step reads 13.70 GB of layers
+# Qwen3.5-27B at 4 bits, measured on a GPU (BENCHMARKS.md): a plain step reads 13.70 GB of layers
 # and 0.72 GB of lm_head over 64 layers; an MTP link reads one layer's share and the lm_head.
 STEP_GB_27B, LAYERS_GB_27B, LM_HEAD_GB_27B, LAYERS_27B = 14.42, 13.70, 0.72, 64
 GDN_27B = {"layers": 48, "v_heads": 48, "k_heads": 16, "head_dim": 128, "conv_kernel": 4}
@@ -81,20 +94,24 @@ class Run:
     drafted: int
     accepted: int
     verdicts: tuple[tuple[int, int], ...]  # (drafts verified, accepted) of each decode step
+    mode: str = "greedy"
 
 
-def _options(variant: str) -> RequestOptions:
+def _options(variant: str, sampling: SamplingParams) -> RequestOptions:
     if variant == "off":
-        return RequestOptions(mtp=False)
+        return RequestOptions(sampling, mtp=False)
     if variant == "auto":
-        return RequestOptions(mtp_depth="auto")
-    return RequestOptions(mtp_depth=int(variant.split("-")[0]))
+        return RequestOptions(sampling, mtp_depth="auto")
+    return RequestOptions(sampling, mtp_depth=int(variant.split("-")[0]))
 
 
-async def _decode(engine: GenerationEngine, ids, variant: str, max_tokens: int) -> Run:
+async def _decode(
+    engine: GenerationEngine, ids, variant: str, max_tokens: int, sampling: SamplingParams
+) -> Run:
     stamps: list[tuple[float, float]] = []
     tokens, verdicts, drafted, accepted, chunk = 0, [], 0, 0, None
-    async for chunk in engine.stream(GenerationRequest(ids, max_tokens, _options(variant))):
+    request = GenerationRequest(ids, max_tokens, _options(variant, sampling))
+    async for chunk in engine.stream(request):
         stamps.append((time.perf_counter(), time.process_time()))
         tokens += len(chunk.tokens)
         if len(stamps) > 1:
@@ -108,27 +125,56 @@ async def _decode(engine: GenerationEngine, ids, variant: str, max_tokens: int) 
     )  # fmt: skip
 
 
-async def measure_runs(model_dir: Path, prompts, rounds: int, max_tokens: int) -> list[Run]:
+def _mlx_lm_decode(lm, ids, max_tokens: int, sampling: SamplingParams) -> Run:
+    """mlx-lm's `stream_generate`, timed as `_decode` times the engine (one token a step)."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = lm
+    mx.random.seed(sampling.seed or 0)
+    sampler = make_sampler(sampling.temperature)
+    stamps = [
+        (time.perf_counter(), time.process_time())
+        for _ in stream_generate(
+            model, tokenizer, list(ids), max_tokens=max_tokens, sampler=sampler
+        )
+    ]
+    (w0, c0), (w1, c1) = stamps[0], stamps[-1]
+    after = len(stamps) - 1
+    return Run(MLX_LM, 0, 0, len(stamps), after / (w1 - w0), after / (c1 - c0), 0, 0,
+               ((0, 0),) * after)  # fmt: skip
+
+
+async def measure_runs(
+    model_dir: Path, prompts, args, lm, variants: tuple[str, ...] = VARIANTS
+) -> list[Run]:
+    """Every variant on every prompt, in each sampling mode of `args.sampling`, interleaved;
+    `lm`: mlx-lm's (model, tokenizer) on the same directory."""
+    rounds, max_tokens = args.rounds, args.max_tokens
     local = await open_local_engine(model_dir, mtp=True)
     order = random.Random(13)
     runs: list[Run] = []
     ahead = mtp_lookahead_default()
 
-    async def decode(ids, variant: str, max_tokens: int) -> Run:
+    async def decode(ids, variant: str, max_tokens: int, sampling=GREEDY) -> Run:
+        if variant == MLX_LM:
+            return _mlx_lm_decode(lm, ids, max_tokens, sampling)
         for runner in local.runners:
             runner.mtp_lookahead = ahead and variant != WAITING
-        return await _decode(local.engine, ids, variant, max_tokens)
+        return await _decode(local.engine, ids, variant, max_tokens, sampling)
 
     try:
-        for variant in VARIANTS:  # warm-up: compile and allocate
+        for variant in variants:  # warm-up: compile and allocate
             await decode(prompts[0], variant, 8)
         for r in range(rounds):
             for p, ids in enumerate(prompts):
-                variants = list(VARIANTS)
-                order.shuffle(variants)
-                for variant in variants:
-                    run = await decode(ids, variant, max_tokens)
-                    runs.append(Run(**{**asdict(run), "round": r, "prompt": p}))
+                for mode in args.sampling:
+                    sampling = SamplingParams(temperature=MODES[mode], seed=1000 * r + p)
+                    shuffled = list(variants)
+                    order.shuffle(shuffled)
+                    for variant in shuffled:
+                        run = await decode(ids, variant, max_tokens, sampling)
+                        runs.append(Run(**{**asdict(run), "round": r, "prompt": p, "mode": mode}))
             print(f"round {r + 1}/{rounds} done", flush=True)
     finally:
         local.close()
@@ -157,10 +203,12 @@ def expected_tokens(rates: list[float | None], depth: int) -> float:
     return total
 
 
-def summarize_runs(runs: list[Run]) -> dict:
+def summarize_runs(runs: list[Run], mode: str = "greedy") -> dict:
+    """Each variant's figures in one sampling mode, by variant."""
+    runs = [r for r in runs if r.mode == mode]
     off = {(r.round, r.prompt): r for r in runs if r.variant == "off"}
     out = {}
-    for variant in VARIANTS:
+    for variant in [v for v in VARIANTS if any(r.variant == v for r in runs)]:
         mine = [r for r in runs if r.variant == variant]
         verdicts = [v for r in mine for v in r.verdicts]
         drafted = sum(r.drafted for r in mine)
@@ -189,9 +237,10 @@ def summarize_runs(runs: list[Run]) -> dict:
 # ---- part 2: a step by number of positions ----
 
 
-def measure_steps(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
+def measure_steps(runner: ShardRunner, ids: tuple[int, ...], iters: int, lm_model=None) -> dict:
     """Median ms of a whole-model step of 1..MAX_POSITIONS positions (the tail's verify and
-    drafts included), and of the backbone alone over as many positions, interleaved."""
+    drafts included), and of the backbone alone over as many positions, interleaved; with
+    `lm_model`, mlx-lm's forward of 1 and 2 tokens among them."""
     hidden = runner.shard.hidden_size
     x = [mx.random.normal((1, p, hidden)).astype(mx.bfloat16) for p in range(MAX_POSITIONS + 1)]
     mx.eval(x[1:])
@@ -199,9 +248,14 @@ def measure_steps(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict
     for p in range(1, MAX_POSITIONS + 1):
         kinds[("step", p)] = SteppedRequests(runner, ids, depth=p - 1, name=f"p{p}")
         kinds[("backbone", p)] = functools.partial(_time_backbone, runner, x[p], p)
+    if lm_model is not None:
+        for p in (1, 2):
+            kinds[(MLX_LM, p)] = LMForward(lm_model, ids, tokens=p)
     times = interleaved(kinds, iters, warmup=3, seed=5)
     out = {}
-    for kind in ("step", "backbone"):
+    for kind in ("step", "backbone", MLX_LM):
+        if (kind, 1) not in times:
+            continue
         one = median(times[(kind, 1)])
         out[kind] = {
             p: {"ms": median(t) * 1000, "over_1": median(t) / one, "per_row": median(t) / one / p}
@@ -318,15 +372,22 @@ def predict_bandwidth_bound(rates: list[float | None]) -> dict:
     }
 
 
-def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dict:
+def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int, lm_model=None) -> dict:
     """Parts 2 and 3, printed."""
-    steps = measure_steps(runner, ids, iters)
+    steps = measure_steps(runner, ids, iters, lm_model)
     print("\npositions  step ms (over 1, per row)     backbone alone ms (over 1, per row)")
     for p in steps["step"]:
         a, b = steps["step"][p], steps["backbone"][p]
         print(
             f"{p:9d}  {a['ms']:7.2f} ({a['over_1']:5.2f}x, {a['per_row']:4.2f}x)"
             f"  {b['ms']:7.2f} ({b['over_1']:5.2f}x, {b['per_row']:4.2f}x)"
+        )
+    if MLX_LM in steps:
+        lm = steps[MLX_LM]
+        print(
+            f"mlx-lm forward: 1 token {lm[1]['ms']:.2f} ms, 2 tokens {lm[2]['ms']:.2f} ms "
+            f"({lm[2]['over_1']:.2f}x); the engine's plain step over mlx-lm's 1 token: "
+            f"{steps['step'][1]['ms'] / lm[1]['ms']:.2f}x"
         )
     keep = measure_keep_and_recompute(runner, iters)
     print("backbone over P positions, snapshots kept at each draft / none:")
@@ -347,9 +408,9 @@ def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int) -> dic
 
 def shape_steps(args) -> None:
     """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
+    from benchmarks import random_checkpoint
     from benchmarks.gpu_bench.run import device_name
     from benchmarks.gpu_bench.step_timing import free_memory
-    from benchmarks import random_checkpoint
     from cluster.config import load_model_config
 
     started = time.perf_counter()
@@ -372,35 +433,17 @@ def shape_steps(args) -> None:
 # ---- the run ----
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--step-iters", type=int, default=30)
-    parser.add_argument(
-        "--shape",
-        default=None,
-        help="a real model's shape with random weights (benchmarks.random_checkpoint's, e.g. "
-        "qwen3_5_27b): parts 2 and 3 only, acceptance needs trained weights",
-    )
-    parser.add_argument("--bits", type=int, default=4, help="with --shape; 16: bf16")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    started = time.perf_counter()
-    if args.shape:
-        shape_steps(args)
-        return
-    model_dir = args.model or default_model()
-    tokenizer = load_tokenizer(model_dir)
-    prompts = [encode(tokenizer, p) for p in CODE_PROMPTS]
-    report: dict = {"machine": machine(), "args": vars(args) | {"model": str(model_dir)}}
+def _modes(text: str) -> list[str]:
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",")))
+    if not modes or any(m not in MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"takes {', '.join(MODES)} (comma-separated)")
+    return modes
 
-    runs = asyncio.run(measure_runs(model_dir, prompts, args.rounds, args.max_tokens))
-    summary = summarize_runs(runs)
-    report["runs"] = [asdict(r) for r in runs]
-    report["by_variant"] = summary
-    print("\nvariant  tok/s  (cpu)   over off wall [iqr]     cpu   tokens/step  acceptance")
+
+def print_summary(mode: str, summary: dict) -> None:
+    print(
+        f"\n{mode}: variant  tok/s  (cpu)   over off wall [iqr]     cpu   tokens/step  acceptance"
+    )
     for variant, row in summary.items():
         ratio, lo, hi = row["decode_tps_over_off"]
         acc = f"{row['acceptance']:.1%}" if row["acceptance"] is not None else "-"
@@ -409,11 +452,62 @@ def main() -> None:
             f"[{lo:.2f}-{hi:.2f}]  {row['cpu_tps_over_off'][0]:5.2f}x  "
             f"{row['tokens_per_step']:5.2f}  {acc}  drafts/step {row['drafts_per_step']}"
         )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = bench_parser("mtp_depth_bench", __doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--step-iters", type=int, default=30)
+    parser.add_argument(
+        "--sampling",
+        type=_modes,
+        default=["greedy"],
+        help="greedy, sampled (temperature 0.7) or greedy,sampled [greedy]",
+    )
+    parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx-lm out")
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a real model's shape with random weights (benchmarks.random_checkpoint's, e.g. "
+        "qwen3_5_27b): parts 2 and 3 only, acceptance needs trained weights",
+    )
+    parser.add_argument("--bits", type=int, default=4, help="with --shape; 16: bf16")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    if args.shape:
+        shape_steps(args)
+        return
+    model_dir = args.model or default_model()
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [encode(tokenizer, p) for p in CODE_PROMPTS]
+    report: dict = {"machine": machine(), "args": vars(args) | {"model": str(model_dir)}}
+    lm = None
+    variants = tuple(v for v in VARIANTS if v != MLX_LM or not args.no_mlx_lm)
+    if not args.no_mlx_lm:
+        from mlx_lm import load
+
+        lm = load(str(model_dir))
+        lm[1].eos_token_ids = set()  # decode exactly --max-tokens, as the engine does
+
+    runs = asyncio.run(measure_runs(model_dir, prompts, args, lm, variants))
+    by_mode = {mode: summarize_runs(runs, mode) for mode in args.sampling}
+    report["runs"] = [asdict(r) for r in runs]
+    report["by_mode"] = by_mode
+    for mode, summary in by_mode.items():
+        print_summary(mode, summary)
+    summary = by_mode[args.sampling[0]]
     rates = summary["4"]["conditional_rates"]
     print("conditional acceptance by draft position (depth 4):", [f"{r:.2f}" for r in rates])
 
     runner = bare_runner(model_dir)
-    report.update(steps_and_keep(runner, prompts[0], args.step_iters))
+    report.update(steps_and_keep(runner, prompts[0], args.step_iters, lm and lm[0]))
+    step_2 = report["step_by_positions"]["step"][2]["over_1"]
+    for mode, rows in by_mode.items():
+        predicted = (1 + (rows["1"]["acceptance"] or 0.0)) / step_2
+        measured = rows["1"]["decode_tps_over_off"][0]
+        report.setdefault("depth1_predicted_over_off", {})[mode] = predicted
+        print(f"depth 1 over off, {mode}: predicted {predicted:.2f}x, measured {measured:.2f}x")
     prediction = predict_bandwidth_bound(rates)
     report["prediction_bandwidth_bound"] = prediction
     print(

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 import cluster.decode.tail
-from cluster.decode.doorbell import BUILD_AHEAD_SETTINGS
+from cluster.decode.late_input import BUILD_AHEAD_SETTINGS
 from cluster.decode.verify import Candidates
 
 Propose = Callable[..., Candidates]
@@ -90,21 +90,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.cache_limit_gb is not None:
         mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     install_oracle(args.accept_rate, args.seed)
-    from node.server import serve
+    from node.server import NodeSettings, serve
 
     with contextlib.suppress(KeyboardInterrupt):
         spin_s = args.spin_ms / 1e3 if args.spin_ms is not None else None
-        asyncio.run(
-            serve(
-                args.host,
-                args.port,
-                args.token,
-                node_id=args.node_id,
-                advertise=False,
-                spin_s=spin_s,
-                build_ahead=args.build_ahead,
-            )
+        settings = NodeSettings(
+            args.token,
+            host=args.host,
+            port=args.port,
+            node_id=args.node_id,
+            spin_s=spin_s,
+            build_ahead=args.build_ahead,
         )
+        asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from benchmarks.common import (
 )
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.prefix_index import PrefixIndex
+from cluster.decode.remote_pipeline import PipelineSettings, load_pipeline
 from cluster.messages import RequestOptions
-from cluster.transport.node_client import load_pipeline
 
 QUESTIONS = ("\n\nclass Queue:\n", "\n\ndef parse(text):\n", "\n\nimport json\n", "\n\n# Tests\n")
 
@@ -48,7 +48,7 @@ def history(tokenizer, length: int) -> tuple[int, ...]:
 
 async def measure(args, model_dir: Path, nodes: LocalNodes) -> list[dict]:
     tokenizer = load_tokenizer(model_dir)
-    pipeline = await load_pipeline(model_dir, nodes.addresses, token=nodes.token)
+    pipeline = await load_pipeline(model_dir, nodes.addresses, PipelineSettings(nodes.token))
     samples = []
     try:
         index = PrefixIndex()

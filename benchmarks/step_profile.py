@@ -14,7 +14,7 @@ the MTP head and its draft). Medians, in ms and relative to one request without 
 forward over 1 and --batch sequences runs in the same turns (unless --no-mlx-lm: it loads the
 model a second time): the hardware's own batching ceiling (--batch / its cost ratio), beside
 the engine's. `--compiled-batches` adds the batch kinds again with their GatedDeltaNet
-recurrence compiled (`cluster.model.compiled.batches_enabled`), interleaved with the rest, to
+recurrence compiled (`DecodeFastPath.compiled_batches`), interleaved with the rest, to
 decide that switch by measurement on each backend.
 """
 
@@ -44,7 +44,6 @@ from benchmarks.stepping import (
     prompt_ids,
 )
 from cluster.messages import SamplingParams
-from cluster.model import compiled
 
 SAMPLING = SamplingParams(temperature=SAMPLED_TEMPERATURE)
 
@@ -121,12 +120,17 @@ def profile(
         lm_model = load(str(model_dir))[0]
         kinds |= {("mlx-lm", size): LMForward(lm_model, ids, size=size) for size in sizes}
 
+    default = runner.shard.fast_path
+    fast_paths = {on: dataclasses.replace(default, compiled_batches=on) for on in (False, True)}
+
     def switch_recurrence(kind: tuple) -> None:
-        compiled.set_batches_enabled(kind[2] if kind[0] != "mlx-lm" else None)
+        chosen = fast_paths[kind[2]] if kind[0] != "mlx-lm" else default
+        if runner.shard.fast_path is not chosen:
+            runner.shard.use_fast_path(chosen)
 
     warmup = 3
     times = interleaved(kinds, iters, warmup, seed=6, before=switch_recurrence)
-    compiled.set_batches_enabled(None)
+    runner.shard.use_fast_path(default)
     rows = []
     for (size, mtp, batch_compiled), calls in samples.items():
         ms = {

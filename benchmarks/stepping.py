@@ -1,12 +1,12 @@
 """Single decode steps timed side by side: live requests stepped by hand on a bare runner, and
 mlx-lm's forward beside them, the kinds interleaved call by call.
 
-What the step-cost benchmarks share (`step_profile`, `engine_bench`'s part 2,
-`mtp_depth_bench`'s steps by positions). Each kind is its own live requests on one runner,
-and `interleaved` times the kinds in turns, so the load of a shared machine falls on all of
-them alike. The runner is the engine's (its shard loaded for decoding, as a node loads it) but
-builds nothing ahead: a step built ahead for one kind's requests would be undone by the next
-kind's call and counted in both.
+What the step-cost benchmarks share (`step_profile`, `mtp_depth_bench`'s steps by
+positions). Each kind is its own live requests on one runner, and `interleaved` times the
+kinds in turns, so the load of a shared machine falls on all of them alike. The runner is
+the engine's (its shard loaded for decoding, as a node loads it) but builds nothing ahead: a
+step built ahead for one kind's requests would be undone by the next kind's call and counted
+in both.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import mlx.core as mx
 
-from benchmarks.common import load_tokenizer
 from benchmarks import random_checkpoint
+from benchmarks.common import load_tokenizer
 from cluster.config import load_model_config
 from cluster.decode.runner import ShardRunner
 from cluster.messages import RequestOptions, SamplingParams, StepRequest

@@ -1,11 +1,10 @@
 """mlx-lm's package, registered without running its `__init__` until a name in it is used.
 
 `mlx_lm/__init__.py` imports mlx-lm's converter, generator and loader, and through them
-`transformers`: 2.4 of the 3.0 s that `python -m cluster node` took to import on the
-project's 2-core Linux VM (BENCHMARKS.md, "A process's start"). Importing any of mlx-lm's
-modules (`mlx_lm.models.qwen3_5`, which every node needs) runs the package's `__init__` first.
-A node never tokenizes, and `cluster status` or `down` neither tokenizes nor runs a model, yet
-each paid those seconds at every start.
+`transformers`: most of what `python -m cluster node` spends importing. Importing any of
+mlx-lm's modules (`mlx_lm.models.qwen3_5`, which every node needs) runs the package's `__init__`
+first. A node never tokenizes, and `cluster status` or `down` neither tokenizes nor runs a
+model, yet each would pay that import at every start.
 
 So `cluster/__init__.py` registers the package from its own import spec, with its path but
 without running its body. Its modules import as before, each with only what it imports itself:

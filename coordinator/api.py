@@ -17,13 +17,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from cluster.decode.engine import GenerationRequest
 from cluster.decode.token_mask import TokenConstraint
 from cluster.messages import MtpDepth, RequestError, RequestOptions
+from cluster.model.loading import NO_MTP_HEAD
 from coordinator.admission import AdmissionController, OverCapacity
 from coordinator.api_keys import ApiKeys, api_key_middleware
 from coordinator.chat_prompt import render_chat_prompt
@@ -42,6 +43,9 @@ from coordinator.openai_schema import (
 from coordinator.response_format import JsonGrammars
 from coordinator.response_objects import ChatFormat, ResponseObjects, TextFormat
 from coordinator.text_stream import Engine, TextStream, stop_token_ids
+
+if TYPE_CHECKING:
+    from cluster.decode.warmup import WarmupProgress
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,8 @@ def create_app(
     counters: RequestCounters | None = None,
     api_keys: ApiKeys | None = None,
     mtp_depth: MtpDepth = 1,
+    mtp_head: bool = True,
+    warmup: WarmupProgress | None = None,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
@@ -72,11 +78,13 @@ def create_app(
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
     up cancels its request at once, not only at the next write. With `api_keys`, the routes
     they guard need `Authorization: Bearer KEY`. `mtp_depth` is the MTP drafts per step of a
-    request that does not name its own.
+    request that does not name its own. Without `mtp_head` (a checkpoint without `mtp.*`)
+    every request is served without drafts, and /api/cluster says so. While `warmup` says
+    "warming", /health answers 503 "warming"; /api/cluster and /metrics show its progress.
     """
-    api = _Api(
-        engine, tokenizer, view, model_id, admission, counters or RequestCounters(), mtp_depth
-    )
+    counters = counters or RequestCounters()
+    api = _Api(engine, tokenizer, view, model_id, admission, counters, mtp_depth, mtp_head)
+    api.warmup = warmup
     keys = api_keys or ApiKeys()
     app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
@@ -96,6 +104,8 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class _Api:
     """The handlers, sharing the engine, tokenizer, view, admission and counters."""
 
+    warmup: WarmupProgress | None = None  # the coordinator's warm-up, where it has one
+
     def __init__(
         self,
         engine: Engine,
@@ -105,6 +115,7 @@ class _Api:
         admission: AdmissionController,
         counters: RequestCounters,
         mtp_depth: MtpDepth = 1,
+        mtp_head: bool = True,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
@@ -117,6 +128,7 @@ class _Api:
         self._grammars = JsonGrammars(tokenizer, self._stop_tokens)
         self._created = int(time.time())
         self._mtp_depth = mtp_depth  # for requests that do not name theirs
+        self._mtp_head = mtp_head  # False: the model has no MTP head, no request drafts
 
     # --- OpenAI endpoints -------------------------------------------------------------------
 
@@ -155,7 +167,8 @@ class _Api:
     # --- cluster endpoints ------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 "ok" when every node is up; 503 "degraded" otherwise (the pipeline needs all)."""
+        """200 "ok" when every node is up and warm; 503 "degraded" while one is not up (the
+        pipeline needs all), else 503 "warming" (with its progress) while they warm up."""
         nodes = self._view.node_statuses()
         healthy = bool(nodes) and all(node.up for node in nodes)
         body = {
@@ -163,6 +176,9 @@ class _Api:
             "model": self._model_id,
             "nodes": [{"node_id": n.node_id, "address": n.address, "up": n.up} for n in nodes],
         }
+        if healthy and self.warmup is not None and self.warmup.state == "warming":
+            healthy = False
+            body |= {"status": "warming", "warmup": self.warmup.as_json()}
         return web.json_response(body, status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -172,15 +188,24 @@ class _Api:
             requests_queued=self._admission.queued,
             requests_running=self._admission.running,
         )
+        if self.warmup is not None:
+            text += self.warmup.prometheus()
         return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
     async def cluster(self, request: web.Request) -> web.Response:
         body = cluster_json(self._view)
+        if self.warmup is not None:
+            body["warmup"] = self.warmup.as_json()
         body["admission"] = {
             "running": self._admission.running,
             "queued": self._admission.queued,
             "max_running": self._admission.max_running,
             "max_queued": self._admission.max_queued,
+        }
+        body["model"] = {
+            "id": self._model_id,
+            "mtp_head": self._mtp_head,
+            "note": None if self._mtp_head else NO_MTP_HEAD,
         }
         return web.json_response(body, headers={"Cache-Control": "no-store"})
 
@@ -233,9 +258,11 @@ class _Api:
                 code="context_length_exceeded",
             )
         depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
+        if not self._mtp_head:  # asked or not, nothing to draft with: no drafts, no MTP steps
+            depth = 0
         options = RequestOptions(
             sampling=params.sampling,
-            mtp=params.mtp,
+            mtp=params.mtp and self._mtp_head,
             logprobs=params.top_logprobs is not None,
             top_logprobs=params.top_logprobs or 0,
             mtp_depth=depth,

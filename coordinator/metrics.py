@@ -16,7 +16,7 @@ from typing import Protocol
 
 @dataclass(frozen=True, slots=True)
 class HopStatus:
-    """The link a node streams to its successor over (issue 7)."""
+    """The link a node streams to its successor over."""
 
     address: str  # the successor's host:port
     kind: str  # thunderbolt, ethernet, wifi, loopback, other
@@ -67,6 +67,20 @@ class NodeStatus:
     # Where the node's recent decode steps went, ms by phase (queued, handoff, decode,
     # layers, encode, send: `pb.StepPhases`); empty before its first step.
     step_phases_ms: dict[str, float] = field(default_factory=dict)
+    # Whether the node holds its Mac awake (a power assertion while its shard is loaded), and
+    # what holds it or why nothing does (node.keep_awake).
+    keeps_awake: bool = False
+    keep_awake_note: str = ""
+
+    @property
+    def hop_state(self) -> str:
+        """The link to the successor: "measured", "given" (the cluster file's address),
+        "measuring" (a placed node but the tail that reports no hop yet: the status was read
+        while its shard loads and its successor's addresses are timed), "" where there is
+        none (the tail, a standby node)."""
+        if self.hop is not None:
+            return "measured" if self.hop.measured else "given"
+        return "measuring" if self.end > self.start and not self.is_tail else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +135,7 @@ def cluster_json(view: ClusterView) -> dict[str, object]:
     """The `/api/cluster` document: what the dashboard draws, in pipeline order."""
     nodes = view.node_statuses()
     return {
-        "nodes": [asdict(node) for node in nodes],
+        "nodes": [{**asdict(node), "hop_state": node.hop_state} for node in nodes],
         "stats": asdict(view.stats()),
         "healthy": bool(nodes) and all(node.up for node in nodes),
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from cluster.weights.service import Transfer
+from cluster.weights.source import Transfer
 from proto import cluster_pb2 as pb
 
 BAR_WIDTH = 30

@@ -14,18 +14,19 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from cluster.config import load_model_config
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
 from cluster.decode.prefix_index import PrefixIndex
-from cluster.messages import MtpDepth
+from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
+from cluster.decode.warmup import WarmupHook, WarmupProgress, plan_warmup, run_warmup
 from cluster.model.footprint import ModelFootprint
+from cluster.model.loading import NO_MTP_HEAD
 from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_placement
-from cluster.transport.auth import TLSConfig
-from cluster.transport.node_client import NodeClient, NodeUnavailable, RemotePipeline, load_pipeline
+from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.transport.wire import step_phases_ms
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
@@ -34,6 +35,7 @@ from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
 from coordinator.replay import ReplayingEngine
+from coordinator.settings import LOOPBACK_HOSTS, CoordinatorSettings, check_endpoint
 from coordinator.weights_host import WeightsHost
 from proto import cluster_pb2 as pb
 
@@ -42,9 +44,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 RATE_WINDOW_S = 10.0
-REPLAY_WAIT_S = 60.0  # how long a request that lost its pipeline waits for a new placement
 REBALANCE_IDLE_S = 2.0  # idle this long, the coordinator may move to a better placement
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class MeteredEngine:
@@ -80,50 +80,32 @@ class MeteredEngine:
 
 
 @dataclass(slots=True)
-class _Heard:
+class _LastReply:
     info: pb.NodeInfo | None = None
     at: float = 0.0  # monotonic time of the last answer
     rtt_ms: float = 0.0  # how long that answer took
 
 
 class Coordinator:
+    """Places the model on the nodes that answer, drives its pipeline, and places it again
+    when a node of it fails or when, between requests, a better placement appears."""
+
     def __init__(
         self,
-        model_dir: Path,
+        settings: CoordinatorSettings,
         directory: NodeDirectory,
         *,
-        token: str,
-        layers: list[tuple[int, int]] | None = None,
-        use_all: bool = False,
-        context_tokens: int = 32768,
-        concurrency: int = 8,
-        node_model_dir: str | None = None,
-        tls: TLSConfig | None = None,
-        serve_weights: bool = True,
-        weights_port: int = 0,
-        prefix_cache: bool = True,
-        pinned_addresses: frozenset[str] = frozenset(),
-        adopt_shards: bool = False,
         admission: AdmissionController | None = None,
-        replay_wait_s: float = REPLAY_WAIT_S,
     ):
-        self.model_dir = model_dir
-        self.admission = admission
-        self.replay_wait_s = replay_wait_s
-        self.adopt_shards = adopt_shards  # keep shards that nodes already hold (no reload)
-        # Nodes whose address was given (a cluster file's `address`): their upstream streams
-        # to exactly it, without measuring the others.
-        self.pinned_addresses = pinned_addresses
-        self.prefix_cache = prefix_cache
-        self.tls = tls
+        self.settings = settings
+        self.model_dir = settings.model_dir
         self.directory = directory
-        self.token = token
-        self.layers = layers
-        self.use_all = use_all
-        self.context_tokens = context_tokens
-        self.concurrency = concurrency
-        self.node_model_dir = node_model_dir
-        self.footprint = ModelFootprint.from_dir(model_dir)
+        self.admission = admission
+        self.footprint = ModelFootprint.from_dir(settings.model_dir)
+        # Whether the checkpoint holds the MTP head the config declares: mlx-lm's conversions
+        # drop the `mtp.*` tensors, and the tail then loads without it (cluster.model.loading).
+        # Without it every request is served without drafts, whatever it asks for.
+        self.has_mtp_head = self.footprint.has_mtp and self.footprint.mtp_layers > 0
         self.counters = RequestCounters()
         self.plan: PlacementPlan | None = None
         self.pipeline: RemotePipeline | None = None
@@ -140,12 +122,18 @@ class Coordinator:
         self.rebalances_total = 0
         self._placed_among: frozenset[str] = frozenset()  # the nodes that answered then
         self._placed_at = 0.0
-        self._heard: dict[str, _Heard] = {}
+        self._heard: dict[str, _LastReply] = {}
         self._probes: dict[str, NodeClient] = {}
         self._tasks: list[asyncio.Task] = []
-        self.weights = (
-            WeightsHost(model_dir, token, tls, port=weights_port) if serve_weights else None
-        )
+        # The warm-up (cluster.decode.warmup): "warming" until the first one ran (at once
+        # "ready" when turned off), and again during each new placement's.
+        warm = settings.warmup
+        self.warmup = WarmupProgress("warming" if warm else "ready", skipped=not warm)
+        self._warming = asyncio.Lock()  # held while one runs: no re-placement meanwhile
+        self.weights: WeightsHost | None = None
+        if settings.serve_weights:
+            port = settings.weights_port
+            self.weights = WeightsHost(settings.model_dir, settings.token, settings.tls, port=port)
 
     # -- bring-up ---------------------------------------------------------------------------
 
@@ -191,16 +179,17 @@ class Coordinator:
     def _plan(self, nodes: list[NodeCapacity]) -> PlacementPlan:
         if not nodes:
             raise NodeUnavailable("no node answers yet (give --nodes, or start nodes with mDNS)")
-        if self.layers is not None and len(nodes) < len(self.layers):
-            raise NodeUnavailable(f"{len(nodes)} node(s) answer, --layers needs {len(self.layers)}")
-        nodes = nodes[: len(self.layers)] if self.layers else nodes
+        layers = self.settings.layers
+        if layers is not None and len(nodes) < len(layers):
+            raise NodeUnavailable(f"{len(nodes)} node(s) answer, --layers needs {len(layers)}")
+        nodes = nodes[: len(layers)] if layers else nodes
         return plan_placement(
             nodes,
             self.footprint,
-            context_tokens=self.context_tokens,
-            concurrency=self.concurrency,
-            layers=self.layers,
-            use_all=self.use_all,
+            context_tokens=self.settings.context_tokens,
+            concurrency=self.settings.max_running,
+            layers=layers,
+            use_all=self.settings.use_all,
         )
 
     async def _load(self) -> None:
@@ -212,21 +201,16 @@ class Coordinator:
         addresses = [stage.address for stage in plan.stages]
         ranges = [(stage.start, stage.end) for stage in plan.stages]
         pipeline = await load_pipeline(
-            self.model_dir,
-            addresses,
-            token=self.token,
-            ranges=ranges,
-            node_model_dir=self.node_model_dir,
-            tls=self.tls,
-            pinned_addresses=self.pinned_addresses,
-            adopt=self.adopt_shards,
-            epoch=self.epoch,
-            **(self.weights.load_args() if self.weights is not None else {}),
+            self.model_dir, addresses, self._pipeline_settings(ranges), epoch=self.epoch
         )
+        # Heard again before the plan is shown: the status then shows the shards and hops
+        # just loaded, never what the nodes said before (no hop yet, or a replaced one).
+        placed = [n for n in self.directory.nodes() if n.address in addresses]
+        await asyncio.gather(*(self._probe(n) for n in placed))
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
         self.epoch = pipeline.epoch  # an adopted pipeline keeps the epoch its nodes hold
         if self.generation is None:
-            index = PrefixIndex() if self.prefix_cache else None
+            index = PrefixIndex() if self.settings.prefix_cache else None
             self.generation = GenerationEngine(pipeline, prefix_index=index)
             self.replaying = ReplayingEngine(self.generation, self)
             self.engine = MeteredEngine(self.replaying)
@@ -237,6 +221,61 @@ class Coordinator:
         if old is not None:
             await old.close()
         log.info("model placed (epoch %d):\n%s", self.epoch, plan.format_table())
+
+    def _pipeline_settings(self, ranges: list[tuple[int, int]]) -> PipelineSettings:
+        settings = self.settings
+        fetch = self.weights.load_args() if self.weights is not None else {}
+        return PipelineSettings(
+            token=settings.token,
+            tls=settings.tls,
+            ranges=ranges,
+            node_model_dir=settings.node_model_dir,
+            pinned_addresses=settings.pinned_addresses,
+            adopt=settings.adopt_shards,  # keep shards that nodes already hold (no reload)
+            **fetch,
+        )
+
+    async def warm_up(self, hook: WarmupHook | None = None) -> None:
+        """Run every shape the nodes will serve through the pipeline of the moment
+        (cluster.decode.warmup), new requests waiting in the admission queue meanwhile;
+        `self.warmup` says how far it is. When the pipeline fails meanwhile, the warm-up
+        stops and stays "warming": the re-placement that follows warms its new shards. Any
+        other failure is logged, and the cluster serves cold."""
+        if not self.settings.warmup:
+            self.warmup.skip()
+            return
+        async with self._warming:
+            pipeline, generation = self.pipeline, self.generation
+            assert pipeline is not None and generation is not None
+            steps = plan_warmup(
+                prefill_chunk=generation.prefill_chunk,
+                max_running=self.settings.max_running,
+                max_context=pipeline.max_context,
+                mtp_depth=self.settings.mtp_depth,
+                has_mtp=self.has_mtp_head,
+            )
+            say = _say if self.settings.announce else log.info
+            if self.admission is not None:
+                self.admission.pause()
+            try:
+                await run_warmup(
+                    pipeline,
+                    steps,
+                    prefill_chunk=generation.prefill_chunk,
+                    vocab_size=load_model_config(self.model_dir).text.vocab_size,
+                    progress=self.warmup,
+                    hook=hook,
+                    say=say,
+                )
+            except Exception as error:
+                if pipeline.failure is not None or pipeline is not self.pipeline:
+                    log.info("warm-up cut short (%s); the new placement warms up again", error)
+                    return
+                log.warning("warm-up failed, serving cold: %s", error)
+                self.warmup.finish(error=str(error) or type(error).__name__)
+            finally:
+                if self.admission is not None and self.pipeline.failure is None:
+                    self.admission.resume()
 
     async def _supervise(self) -> None:
         """Re-place and reload the model when a node of the pipeline failed (new requests
@@ -255,6 +294,7 @@ class Coordinator:
                 await self._load()
                 self._restore_error, self._no_fit = None, False
                 log.info("pipeline restored")
+                await self.warm_up()  # new shards are cold
             except Exception as error:  # keep trying; the dashboard shows what is down
                 self._restore_error, self._no_fit = error, isinstance(error, PlacementError)
                 if self._no_fit:
@@ -271,7 +311,7 @@ class Coordinator:
         serves (the supervisor places the model again); raise when none will."""
         if failed is self.pipeline:
             failed.fail(error)  # a node of it is unreachable: the whole pipeline goes
-        deadline = time.monotonic() + self.replay_wait_s
+        deadline = time.monotonic() + self.settings.replay_wait_s
         while self.pipeline is failed or self.pipeline.failure is not None:
             remaining = deadline - time.monotonic()
             if self._no_fit or remaining <= 0:
@@ -288,7 +328,7 @@ class Coordinator:
         busy = self.counters.in_flight > 0 or (
             admission is not None and (admission.running > 0 or admission.queued > 0)
         )
-        return not busy
+        return not busy and not self._warming.locked()
 
     async def _rebalance(self) -> None:
         """Between requests, never under a running one: when the nodes that answer now
@@ -328,6 +368,7 @@ class Coordinator:
         try:
             await self._load()
             self.rebalances_total += 1
+            await self.warm_up()  # new shards are cold
         except Exception as error:
             # Some nodes may hold the new shards already: the old pipeline is not to be trusted.
             log.warning("moving to the new placement failed: %s", error)
@@ -354,8 +395,9 @@ class Coordinator:
     async def _probe(self, node: DiscoveredNode) -> pb.NodeInfo | None:
         client = self._probes.get(node.address)
         if client is None:
-            client = self._probes[node.address] = NodeClient(node.address, self.token, self.tls)
-        heard = self._heard.setdefault(node.address, _Heard())
+            client = NodeClient(node.address, self.settings.token, self.settings.tls)
+            self._probes[node.address] = client
+        heard = self._heard.setdefault(node.address, _LastReply())
         try:
             asked = time.monotonic()
             heard.info = await client.info(timeout=DOWN_AFTER_S - HEARTBEAT_S)
@@ -390,7 +432,7 @@ class Coordinator:
     def _status(
         self, address: str, now: float, start: int, end: int, is_head: bool, is_tail: bool
     ) -> NodeStatus:
-        heard = self._heard.get(address, _Heard())
+        heard = self._heard.get(address, _LastReply())
         info = heard.info or pb.NodeInfo(node_id=address)
         up = heard.at > 0 and now - heard.at < DOWN_AFTER_S
         return NodeStatus(
@@ -423,6 +465,8 @@ class Coordinator:
             mlx_cache_bytes=info.mlx_cache_bytes,
             mlx_peak_bytes=info.mlx_peak_bytes,
             step_phases_ms=step_phases_ms(info),
+            keeps_awake=info.keeps_awake,
+            keep_awake_note=info.keep_awake_note,
         )
 
     def stats(self) -> ClusterStats:
@@ -446,78 +490,69 @@ class Coordinator:
 
 
 async def run_coordinator(
-    model_dir: Path,
+    settings: CoordinatorSettings,
     *,
-    nodes: list[str],
-    token: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    browse: bool = True,
-    layers: list[tuple[int, int]] | None = None,
-    use_all: bool = False,
-    max_running: int = 8,
-    max_queued: int = 64,
-    announce: bool = True,
     started: asyncio.Event | None = None,
-    tls: TLSConfig | None = None,
-    api_keys: ApiKeys | None = None,
-    mtp_depth: MtpDepth = 1,
-    weights_port: int = 0,
-    prefix_cache: bool = True,
-    pinned_addresses: frozenset[str] = frozenset(),
-    adopt_shards: bool = False,
+    warmup_hook: WarmupHook | None = None,
 ) -> None:
-    """Serve the OpenAI-compatible API and the dashboard until cancelled."""
-    api_keys = api_keys or ApiKeys()
-    if not api_keys.enabled and host not in LOOPBACK_HOSTS:
-        log.warning("serving on %s without an API key: anyone who reaches it may use it", host)
-    directory = NodeDirectory(nodes, browse=browse)
+    """Serve the OpenAI-compatible API and the dashboard until cancelled; `started` is set
+    once the model is placed, the HTTP port listens and the warm-up is over (the endpoint is
+    printed then, not before). While the nodes warm up, /health answers 503 "warming";
+    `warmup_hook` is called before each warm-up step (`cluster.decode.warmup.WarmupHook`)."""
+    api_keys = settings.api_keys or ApiKeys()
+    # Refused before anything starts (OpenEndpointError), unless `allow_open` says it is meant.
+    check_endpoint(settings.host, api_keys.enabled, settings.allow_open)
+    if not api_keys.enabled and settings.host not in LOOPBACK_HOSTS:
+        log.warning(
+            "serving on %s without an API key: anyone who reaches it may use it", settings.host
+        )
+    directory = NodeDirectory(list(settings.nodes), browse=settings.browse)
     admission = AdmissionController(
-        max_running=max_running, max_queued=max_queued, queue_timeout_s=60.0
+        max_running=settings.max_running, max_queued=settings.max_queued, queue_timeout_s=60.0
     )
-    coordinator = Coordinator(
-        model_dir,
-        directory,
-        token=token,
-        layers=layers,
-        use_all=use_all,
-        concurrency=max_running,
-        tls=tls,
-        weights_port=weights_port,
-        prefix_cache=prefix_cache,
-        pinned_addresses=pinned_addresses,
-        adopt_shards=adopt_shards,
-        admission=admission,
-    )
-    tokenizer = load_tokenizer(model_dir)
+    coordinator = Coordinator(settings, directory, admission=admission)
+    if not coordinator.has_mtp_head:
+        if settings.announce:
+            print(f"{settings.model_dir.name}: {NO_MTP_HEAD}", flush=True)
+        else:
+            log.warning("%s: %s", settings.model_dir.name, NO_MTP_HEAD)
+    tokenizer = load_tokenizer(settings.model_dir)
     await coordinator.start()
     app = create_app(
         coordinator.engine,
         tokenizer,
         coordinator,
-        model_id=model_dir.name,
+        model_id=settings.model_dir.name,
         admission=admission,
         counters=coordinator.counters,
         api_keys=api_keys,
-        mtp_depth=mtp_depth,
+        mtp_depth=settings.mtp_depth,
+        mtp_head=coordinator.has_mtp_head,
+        warmup=coordinator.warmup,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled
     # request never cuts the stream that the others ride on).
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
-    if announce:
-        url = f"http://{host}:{port}"
-        print(f"OpenAI endpoint: {url}/v1   dashboard: {url}/", flush=True)
-    if started is not None:
-        started.set()
     try:
+        await coordinator.warm_up(warmup_hook)
+        await coordinator.warmup.ready()  # (one cut short by a lost node: the next one's end)
+        if settings.announce:
+            url = f"http://{settings.host}:{settings.port}"
+            print(f"OpenAI endpoint: {url}/v1   dashboard: {url}/", flush=True)
+        if started is not None:
+            started.set()
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
         await coordinator.close()
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _layout(plan: PlacementPlan) -> list[tuple[str, int, int]]:

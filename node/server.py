@@ -16,18 +16,17 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import click
 import grpc
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from cluster import __version__
 from cluster.config import ModelDirError
-from cluster.decode import doorbell
+from cluster.decode import late_input
 from cluster.decode.runner import ShardRunner
-from cluster.decode.worker import GPU_SPIN_S, MLXWorker
+from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
@@ -38,8 +37,9 @@ from cluster.transport.step_link import StepListener
 from cluster.transport.wire import grpc_server_options
 from cluster.weights.store import WeightsStore, default_cache_dir
 from node.hardware import this_machine
+from node.keep_awake import KeepAwake
 from node.shard_weights import ShardWeights, ShardWeightsError
-from node.stage import Inbound, Stage, Subscribers, status_of
+from node.stage import Inbound, Stage, Subscribers, Successor, status_of
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -77,7 +77,7 @@ def device_name() -> str:
     return f"{platform.machine()} CPU"
 
 
-MEMORY_CAP_BYTES: int | None = None  # `cluster node --memory-gb`
+MEMORY_CAP_BYTES: int | None = None  # NodeSettings.memory_cap_bytes of the node running here
 
 
 def total_memory_bytes() -> int:
@@ -97,30 +97,53 @@ def process_memory_bytes() -> int:
         return mx.get_active_memory()
 
 
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """A node daemon's configuration, built once from `cluster node`'s options.
+
+    It listens on `host`:`port` (0: any free port) and takes requests that carry `token`;
+    with `tls`, it serves and dials TLS only. `node_id`: its name in the coordinator (None:
+    one made of the host name and port). `cache_budget_bytes` and `prefix_budget_bytes`: its
+    request caches' and prefix snapshots' memory unless a LoadShard names others (None:
+    unlimited, and the runner's default). A request idle for `idle_timeout_s` has its caches
+    freed. `advertise`: announce the node over mDNS. `memory_cap_bytes`: report at most this
+    much memory to the planner (None: the machine's). `spin_s`: how long its MLX thread stays
+    awake for the next step (`MLXWorker`; None: the backend's default). `build_ahead`:
+    whether it builds its next step before the step's message comes
+    (`cluster.decode.late_input.late_input_for`)."""
+
+    token: str = field(repr=False)  # the cluster secret: kept out of logs
+    host: str = "0.0.0.0"
+    port: int = 50151
+    node_id: str | None = None
+    tls: TLSConfig | None = None
+    cache_budget_bytes: int | None = None
+    prefix_budget_bytes: int | None = None
+    idle_timeout_s: float = 600.0
+    advertise: bool = False
+    memory_cap_bytes: int | None = None
+    spin_s: float | None = None
+    build_ahead: str = "auto"
+
+
+def default_node_id(port: int) -> str:
+    """A node's name when it was given none: the host's name, the port, and a random tail
+    that tells apart the nodes of one host and port started one after the other."""
+    return f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
+
+
 class NodeService(pb_grpc.NodeServicer):
-    def __init__(
-        self,
-        *,
-        token: str,
-        node_id: str,
-        cache_budget_bytes: int | None = None,
-        idle_timeout_s: float = 600.0,
-        tls: TLSConfig | None = None,
-        weights_store: WeightsStore | None = None,
-        prefix_budget_bytes: int | None = None,
-        spin_s: float | None = None,
-        build_ahead: str = "auto",
-    ):
-        self.token = token
-        self.prefix_budget_bytes = prefix_budget_bytes
-        self.tls = tls  # also used to dial the next node
-        self.node_id = node_id
-        self.cache_budget_bytes = cache_budget_bytes
-        self.idle_timeout_s = idle_timeout_s
-        self.worker = MLXWorker(spin_s)
-        # The doorbell of the steps built ahead (cluster.decode.doorbell), one for every
+    def __init__(self, settings: NodeSettings, weights_store: WeightsStore | None = None):
+        """The gRPC service of the node `settings` describes, fetching weights into
+        `weights_store` (None: the default cache)."""
+        self.settings = settings
+        self.token = settings.token
+        self.tls = settings.tls  # also used to dial the next node
+        self.node_id = settings.node_id or default_node_id(settings.port)
+        self.worker = MLXWorker(settings.spin_s)
+        # The doorbell of the steps built ahead (cluster.decode.late_input), one for every
         # shard this node loads.
-        self.doorbell = doorbell.for_setting(build_ahead)
+        self.doorbell = late_input.late_input_for(settings.build_ahead)
         self.subscribers = Subscribers()
         self.stage: Stage | None = None
         self.shard_request: pb.LoadShardRequest | None = None
@@ -129,15 +152,15 @@ class NodeService(pb_grpc.NodeServicer):
         self.shard_loads = 0
         self.weights_bytes = 0
         self.started = time.monotonic()
-        self.step_port = (
-            0  # the step stream's TCP port (`cluster.transport.step_link`); 0: gRPC only
-        )
+        self.step_port = 0  # the step stream's TCP port (`cluster.transport.step_link`); 0: none
         self._load_lock = asyncio.Lock()
+        # Holds the Mac awake while a shard is loaded (node.keep_awake).
+        self.keep_awake = KeepAwake()
         self.weights = ShardWeights(
             weights_store or WeightsStore(default_cache_dir()),
-            token=token,
-            node_id=node_id,
-            tls=tls,
+            token=self.token,
+            node_id=self.node_id,
+            tls=self.tls,
         )
         self._sweeper = asyncio.create_task(self._sweep_idle())
 
@@ -146,6 +169,7 @@ class NodeService(pb_grpc.NodeServicer):
         if self.stage:
             await self.stage.close()
         self.worker.close()
+        self.keep_awake.release("the node stopped")
 
     # -- RPCs -------------------------------------------------------------------------------
 
@@ -159,6 +183,7 @@ class NodeService(pb_grpc.NodeServicer):
             if self.stage:
                 await self.stage.close()
                 self.stage = None
+                self.keep_awake.release()
                 # The old shard's weights can sit in reference cycles (a stage and its task,
                 # a layer and its compiled steps): free them before loading the next shard, so
                 # that a node never holds two shards' weights at once.
@@ -177,12 +202,12 @@ class NodeService(pb_grpc.NodeServicer):
             budget = (
                 request.cache_budget_bytes
                 if request.HasField("cache_budget_bytes")
-                else self.cache_budget_bytes
+                else self.settings.cache_budget_bytes
             )
             prefix_budget = (
                 request.prefix_budget_bytes
                 if request.HasField("prefix_budget_bytes")
-                else self.prefix_budget_bytes
+                else self.settings.prefix_budget_bytes
             )
             runner = ShardRunner(
                 shard, cache_budget_bytes=budget, prefix_budget_bytes=prefix_budget
@@ -197,19 +222,19 @@ class NodeService(pb_grpc.NodeServicer):
                     self.token,
                     self.tls,
                 )
+            successor = Successor(self.hop.address, self.token, self.tls) if self.hop else None
             self.stage = Stage(
                 runner,
                 self.worker,
                 self.subscribers,
-                next_node=self.hop.address if self.hop else None,
-                token=self.token,
-                tls=self.tls,
+                successor=successor,
                 epoch=request.epoch,
                 micro_batches=request.micro_batches,
                 doorbell=self.doorbell,
             )
             self.shard_request = request
             self.shard_loads += 1
+            self.keep_awake.hold()
             mx.set_cache_limit(mlx_cache_limit(runner, self.weights_bytes))
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
@@ -239,9 +264,10 @@ class NodeService(pb_grpc.NodeServicer):
             reader.cancel()
 
     def accept_linked_step(self, message: Inbound) -> None:
-        """A step from the predecessor's TCP step stream (`cluster.transport.step_link`): as `Steps` takes
-        one, to the stage of the moment. The sender reads no replies: without a stage, the
-        step's requests fail on the driver's Results stream, as `Steps` would refuse it."""
+        """A step from the predecessor's TCP step stream (`cluster.transport.step_link`): as
+        `Steps` takes one, to the stage of the moment. The sender reads no replies: without a
+        stage, the step's requests fail on the driver's Results stream, as `Steps` would
+        refuse it."""
         if self.stage is not None:
             self.stage.accept(message, _no_reply)
             return
@@ -335,6 +361,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.weights.fill_info(info)
         info.links.extend(self.links)
         info.shard_loads = self.shard_loads
+        info.keeps_awake = self.keep_awake.holding
+        info.keep_awake_note = self.keep_awake.reason
         if self.hop is not None and self.stage is not None:
             info.hop.CopyFrom(self.hop.to_proto())
         if self.stage is not None and self.shard_request is not None:
@@ -378,42 +406,26 @@ class NodeService(pb_grpc.NodeServicer):
         while True:
             await asyncio.sleep(IDLE_SWEEP_SECONDS)
             if self.stage is not None:
-                evicted = await self.worker.run(self.stage.runner.evict_idle, self.idle_timeout_s)
+                evicted = await self.worker.run(
+                    self.stage.runner.evict_idle, self.settings.idle_timeout_s
+                )
                 if evicted:
                     log.info("freed %d idle request(s)", len(evicted))
 
 
 async def serve(
-    host: str,
-    port: int,
-    token: str,
+    settings: NodeSettings,
     *,
-    node_id: str | None = None,
-    cache_budget_bytes: int | None = None,
-    idle_timeout_s: float = 600.0,
-    advertise: bool = False,
-    ready: asyncio.Event | None = None,
-    tls: TLSConfig | None = None,
     weights_store: WeightsStore | None = None,
-    prefix_budget_bytes: int | None = None,
-    spin_s: float | None = None,
-    build_ahead: str = "auto",
+    ready: asyncio.Event | None = None,
 ) -> None:
-    """Run a node until cancelled. `spin_s`: how long its MLX thread stays awake for the next
-    step (`MLXWorker`; None: the backend's default); `build_ahead`: whether it builds its next
-    step before the step's message comes (`cluster.decode.doorbell.for_setting`)."""
-    node_id = node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:4]}"
-    service = NodeService(
-        token=token,
-        node_id=node_id,
-        cache_budget_bytes=cache_budget_bytes,
-        idle_timeout_s=idle_timeout_s,
-        tls=tls,
-        weights_store=weights_store,
-        prefix_budget_bytes=prefix_budget_bytes,
-        spin_s=spin_s,
-        build_ahead=build_ahead,
-    )
+    """Run a node until cancelled; `ready` is set once it listens. Raises OSError when it
+    cannot listen on `settings.host`:`settings.port`."""
+    global MEMORY_CAP_BYTES
+    MEMORY_CAP_BYTES = settings.memory_cap_bytes
+    host, port, token, tls = settings.host, settings.port, settings.token, settings.tls
+    service = NodeService(settings, weights_store)
+    node_id = service.node_id
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)], options=grpc_server_options())
     pb_grpc.add_NodeServicer_to_server(service, server)
     address = f"{host}:{port}"
@@ -431,7 +443,7 @@ async def serve(
         )
         service.step_port = await step_listener.start(host)
     advertiser = None
-    if advertise:
+    if settings.advertise:
         from cluster.transport.advertise import NodeAdvertiser
 
         # A node bound to one address announces that address only (on its interface);
@@ -461,157 +473,3 @@ async def serve(
             await step_listener.close()
         await server.stop(grace=1.0)
         await service.close()
-
-
-@click.command("node")
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=50151, show_default=True)
-@click.option("--token", envvar="CLUSTER_TOKEN", default=None, help="Cluster secret.")
-@click.option(
-    "--token-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Read the cluster secret from this file (mode 0600): kept off the command line.",
-)
-@click.option("--node-id", default=None, help="Name shown in the coordinator.")
-@click.option(
-    "--memory-gb",
-    type=float,
-    default=None,
-    help="Report at most this much memory to the planner [default: the machine's].",
-)
-@click.option(
-    "--cache-budget-gb",
-    type=float,
-    default=None,
-    help="Memory for request caches on this node (default: unlimited).",
-)
-@click.option(
-    "--prefix-cache-gb",
-    type=float,
-    default=None,
-    help="Memory for conversation (prefix) snapshots on this node [default: 1].",
-)
-@click.option(
-    "--idle-timeout",
-    type=float,
-    default=600.0,
-    show_default=True,
-    help="Seconds after which an idle request's caches are freed.",
-)
-@click.option(
-    "--advertise/--no-advertise",
-    default=True,
-    show_default=True,
-    help="Announce this node over mDNS (zeroconf).",
-)
-@click.option(
-    "--tls-cert",
-    envvar="CLUSTER_TLS_CERT",
-    type=click.Path(exists=True),
-    default=None,
-    help="Cluster certificate (PEM): serve and dial nodes over TLS.",
-)
-@click.option(
-    "--tls-key",
-    envvar="CLUSTER_TLS_KEY",
-    type=click.Path(exists=True),
-    default=None,
-    help="The certificate's private key (PEM).",
-)
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where fetched weights are cached [default: ~/.cache/cluster/models].",
-)
-@click.option(
-    "--cache-cap-gb",
-    type=float,
-    default=None,
-    help="Disk cap of the weights cache; least recently used models are evicted.",
-)
-@click.option(
-    "--spin-ms",
-    type=float,
-    default=None,
-    help="How long the MLX thread stays awake after a step for the next one, in ms "
-    f"[default: {GPU_SPIN_S * 1e3:.0f} on a GPU, 0 on the CPU backend].",
-)
-@click.option(
-    "--build-ahead",
-    type=click.Choice(doorbell.BUILD_AHEAD_SETTINGS),
-    default="auto",
-    show_default=True,
-    help="Build (on CUDA, launch) the next decode step before its message arrives: auto is "
-    "on with MLX CUDA only; on also builds ahead on the CPU and Metal.",
-)
-def node_command(
-    host: str,
-    port: int,
-    token: str | None,
-    token_file: Path | None,
-    node_id: str | None,
-    memory_gb: float | None,
-    cache_budget_gb: float | None,
-    prefix_cache_gb: float | None,
-    idle_timeout: float,
-    advertise: bool,
-    tls_cert: str | None,
-    tls_key: str | None,
-    cache_dir: Path | None,
-    cache_cap_gb: float | None,
-    spin_ms: float | None,
-    build_ahead: str,
-) -> None:
-    """Run a node daemon that serves one shard of a model."""
-    if token_file is not None:
-        from cluster.secret import read_secret
-
-        try:
-            token = read_secret(token_file)
-        except OSError as error:
-            raise click.BadParameter(str(error), param_hint="--token-file") from error
-    if not token:
-        raise click.UsageError("give the cluster secret: --token-file, --token or CLUSTER_TOKEN")
-    if memory_gb is not None and memory_gb <= 0:
-        raise click.BadParameter("--memory-gb must be positive")
-    if memory_gb is not None:
-        global MEMORY_CAP_BYTES
-        MEMORY_CAP_BYTES = int(memory_gb * 2**30)
-    budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
-    if prefix_cache_gb is not None and prefix_cache_gb < 0:
-        raise click.BadParameter("--prefix-cache-gb must be >= 0")
-    prefix_budget = int(prefix_cache_gb * 2**30) if prefix_cache_gb is not None else None
-    if cache_cap_gb is not None and cache_cap_gb <= 0:
-        raise click.BadParameter("--cache-cap-gb must be positive")
-    if spin_ms is not None and spin_ms < 0:
-        raise click.BadParameter("--spin-ms must be >= 0")
-    store = WeightsStore(
-        cache_dir or default_cache_dir(),
-        int(cache_cap_gb * 2**30) if cache_cap_gb is not None else None,
-    )
-    try:
-        tls = TLSConfig.from_files(tls_cert, tls_key)
-        if tls is not None:
-            tls.server_credentials()  # fail now if the key is missing
-        asyncio.run(
-            serve(
-                host,
-                port,
-                token,
-                node_id=node_id,
-                cache_budget_bytes=budget,
-                idle_timeout_s=idle_timeout,
-                advertise=advertise,
-                tls=tls,
-                weights_store=store,
-                prefix_budget_bytes=prefix_budget,
-                spin_s=spin_ms / 1e3 if spin_ms is not None else None,
-                build_ahead=build_ahead,
-            )
-        )
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ValueError) as error:
-        raise click.ClickException(str(error)) from error

@@ -12,7 +12,7 @@ import grpc
 
 from cluster.model.shard import ShardSpec
 from cluster.transport.auth import TLSConfig
-from cluster.weights.fetch import FetchProgress, WeightsFetchError, ensure_shard
+from cluster.weights.fetch import FetchProgress, WeightsEndpoint, WeightsFetchError, ensure_shard
 from cluster.weights.manifest import ManifestError
 from cluster.weights.store import CacheFullError, WeightsStore
 from proto import cluster_pb2 as pb
@@ -82,11 +82,8 @@ class ShardWeights:
                 digest=request.model_digest,
                 spec=spec,
                 store=self.store,
-                source=source,
-                token=self.token,
-                node_id=self.node_id,
+                source=WeightsEndpoint(source, self.token, self.node_id, self.tls),
                 local_dir=given,
-                tls=self.tls,
                 progress=progress,
             )
         except CacheFullError as error:

@@ -23,7 +23,7 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
-from cluster.decode.doorbell import Doorbell
+from cluster.decode.late_input import LateInput
 from cluster.decode.pipeline import take_batch
 from cluster.decode.runner import CacheBudgetError, ShardRunner, without_tokens
 from cluster.decode.worker import MLXWorker
@@ -56,6 +56,8 @@ Inbound = pb.StepBatch | StepRecords
 STEPS_METHOD = "/{}/Steps".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
 INFO_METHOD = "/{}/Info".format(pb.DESCRIPTOR.services_by_name["Node"].full_name)
 LINK_INFO_TIMEOUT_S = 10.0
+# The most positions (prompt chunks and decode steps) that one batch of a stage computes.
+MAX_BATCH_POSITIONS = 4096
 # How long a step built ahead waits for its message before the node releases it. On CUDA its
 # input kernel keeps the GPU busy while it waits, which slows other processes on the same GPU;
 # a pipeline's next step comes within a token's time (tens of ms at the 27B shape).
@@ -74,8 +76,8 @@ def status_of(error: Exception) -> grpc.StatusCode:
 
 class Subscribers:
     """The drivers listening to this node's results and errors: over gRPC (a queue that the
-    Results stream drains) or over a TCP results stream (`cluster.transport.step_link`), written to as each
-    batch is published."""
+    Results stream drains) or over a TCP results stream (`cluster.transport.step_link`),
+    written to as each batch is published."""
 
     def __init__(self) -> None:
         self._queues: set[asyncio.Queue[pb.ResultBatch]] = set()
@@ -191,9 +193,9 @@ class StageStats:
 class Downstream:
     """The long-lived step stream to the successor, reopened if it breaks. It sends the
     StepBatch serialized already (`step_batch_bytes`): over the successor's TCP step stream
-    (`cluster.transport.step_link`) where it has one, else over gRPC, which passes the bytes on as they are.
-    Plain decode steps go as records (`cluster.transport.step_records`) where the successor's stream
-    takes them (`takes_records`, read when the stage encodes a step).
+    (`cluster.transport.step_link`) where it has one, else over gRPC, which passes the bytes
+    on as they are. Plain decode steps go as records (`cluster.transport.step_records`) where
+    the successor's stream takes them (`takes_records`, read when the stage encodes a step).
     """
 
     def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
@@ -231,7 +233,8 @@ class Downstream:
 
     @property
     def transport(self) -> str | None:
-        """The stream in use: "tcp" (`cluster.transport.step_link`), "grpc", or None before a step."""
+        """The stream in use: "tcp" (`cluster.transport.step_link`), "grpc", or None before a
+        step."""
         if self._link is not None:
             return "tcp"
         return "grpc" if self._call is not None else None
@@ -274,6 +277,16 @@ def _log_build_failure(built: Future) -> None:
         log.warning("building the next step ahead failed", exc_info=built.exception())
 
 
+@dataclass(frozen=True, slots=True)
+class Successor:
+    """The next node of the pipeline, as a stage streams to it: its address, the cluster
+    token, and the TLS configuration when the cluster uses TLS."""
+
+    address: str
+    token: str
+    tls: TLSConfig | None = None
+
+
 class Stage:
     def __init__(
         self,
@@ -281,30 +294,32 @@ class Stage:
         worker: MLXWorker,
         subscribers: Subscribers,
         *,
-        next_node: str | None,
-        token: str,
-        tls: TLSConfig | None = None,
-        max_batch_positions: int = 4096,
+        successor: Successor | None = None,
         epoch: int = 0,
         micro_batches: int = 1,
-        doorbell: Doorbell | None = None,
+        doorbell: LateInput | None = None,
     ):
+        """A stage of pipeline epoch `epoch` over `runner`, passing its steps on to
+        `successor` (None: the tail, which publishes results to `subscribers`)."""
         # The driver's placement this stage serves: a message of another epoch (from a node
         # that hung and woke up with an old placement's work) is refused, never computed.
         self.epoch = epoch
         self.runner = runner
         self.worker = worker
         self.subscribers = subscribers
-        self.downstream = Downstream(next_node, token, tls) if next_node else None
-        self.hop_probe = HopProbe(next_node, token, tls) if next_node else None
-        self.max_batch_positions = max_batch_positions
+        self.downstream: Downstream | None = None
+        self.hop_probe: HopProbe | None = None
+        if successor is not None:
+            self.downstream = Downstream(successor.address, successor.token, successor.tls)
+            self.hop_probe = HopProbe(successor.address, successor.token, successor.tls)
+        self.max_batch_positions = MAX_BATCH_POSITIONS
         # Pipeline parallelism: with one batch of every request, a node waits while the others
         # compute it. The head lets a share of the live requests in at a time instead, so the
         # groups follow one another through the nodes (LoadShardRequest.micro_batches).
-        self.micro_batches = micro_batches if runner.spec.is_head and next_node else 1
+        self.micro_batches = micro_batches if runner.spec.is_head and successor else 1
         self.stats = StageStats()
         # Where a batch of plain decode steps ran, the batch after it is built ahead on the
-        # doorbell (cluster.decode.doorbell), which the next batch's message rings.
+        # doorbell (cluster.decode.late_input), which the next batch's message rings.
         self.doorbell = doorbell
         self._expected: list[StepRequest] = []  # the steps built ahead, tokens zeroed
         if doorbell is not None:

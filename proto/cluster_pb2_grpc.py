@@ -126,7 +126,7 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DropPrefixSnapshots(self, request, context):
-        """Conversation cache (issue 12): forget prefix snapshots (evicted by the driver's index, or
+        """Conversation cache: forget prefix snapshots (evicted by the driver's index, or
         dropped by another node so no longer usable on all of them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -134,7 +134,7 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LinkPing(self, request, context):
-        """Links (issue 7): a round trip that the upstream node times to each address of its
+        """Links: a round trip that the upstream node times to each address of its
         successor, to stream over the fastest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -414,7 +414,7 @@ class Node:
 
 
 class WeightsStub:
-    """---- weights to nodes (issue 8) -------------------------------------------------------------
+    """---- weights to nodes -----------------------------------------------------------------------
 
     Served by the coordinator: a node that lacks tensors of its shard asks for the manifest (what
     the model is, by content), then streams exactly the chunks it misses. Tensors and files are
@@ -441,7 +441,7 @@ class WeightsStub:
 
 
 class WeightsServicer:
-    """---- weights to nodes (issue 8) -------------------------------------------------------------
+    """---- weights to nodes -----------------------------------------------------------------------
 
     Served by the coordinator: a node that lacks tensors of its shard asks for the manifest (what
     the model is, by content), then streams exactly the chunks it misses. Tensors and files are
@@ -484,7 +484,7 @@ def add_WeightsServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Weights:
-    """---- weights to nodes (issue 8) -------------------------------------------------------------
+    """---- weights to nodes -----------------------------------------------------------------------
 
     Served by the coordinator: a node that lacks tensors of its shard asks for the manifest (what
     the model is, by content), then streams exactly the chunks it misses. Tensors and files are

@@ -240,3 +240,28 @@ def _save_two_shards(dir: Path, tensors: dict[str, mx.array]) -> None:
         "weight_map": {key: names[i] for i, shard in enumerate(shards) for key in sorted(shard)},
     }
     (dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_noise_copy(dir: Path, source: Path | None = None, seed: int = 0) -> Path:
+    """A copy of `source` (the bundled model by default) with every tensor replaced by noise
+    of the same scale: each tensor's elements drawn from a normal of its own mean and standard
+    deviation. The shapes, the config and the tokenizer stay, so it runs exactly like the
+    source; what it learned is gone, so its MTP head's drafts are (practically) never
+    accepted: the worst case for drafting."""
+    source = Path(source) if source is not None else bundled_model_path()
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for file in sorted(source.iterdir()):
+        if file.suffix != ".safetensors":
+            if file.is_file():
+                shutil.copyfile(file, dir / file.name)
+            continue
+        tensors = {}
+        for key, value in mx.load(str(file)).items():
+            array = np.array(value.astype(mx.float32))
+            noise = rng.standard_normal(array.shape, dtype=np.float32)
+            noise = noise * array.std() + array.mean()
+            tensors[key] = mx.array(noise).astype(value.dtype)
+        mx.save_safetensors(str(dir / file.name), tensors, metadata={"format": "pt"})
+    return dir

@@ -11,8 +11,8 @@ on CUDA.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
-from collections.abc import Callable
 
 import pytest
 from conftest import run
@@ -21,18 +21,26 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestOptions
+from cluster.model.fast_path import DecodeFastPath
 
 MAX_TOKENS = 64
 # Where the reference's two likeliest tokens are closer than this (in logprob), a kernel's
 # rounding may pick the other one: the few-row kernel's outputs differ from MLX's by rounding
-# only (at most 0.76 % of a matmul's largest output, BENCHMARKS.md runs Q-T).
+# only (within 2**-6 of a matmul's largest output: tests/test_few_row_matmul.py).
 TIE_NATS = 0.05
 
 
-async def decode_with_top(path, prompts: list[list[int]], *, mtp: bool, concurrent: bool = False):
+async def decode_with_top(
+    path,
+    prompts: list[list[int]],
+    *,
+    mtp: bool,
+    concurrent: bool = False,
+    fast_path: DecodeFastPath | None = None,
+):
     """Per prompt: the greedy tokens, the two likeliest (token, logprob) at each, and the
-    drafted and accepted counts."""
-    local = await open_local_engine(path, mtp=mtp)
+    drafted and accepted counts, from shards stepping with `fast_path` (None: the default)."""
+    local = await open_local_engine(path, mtp=mtp, fast_path=fast_path)
     options = RequestOptions(mtp=mtp, logprobs=True, top_logprobs=2)
 
     async def one(prompt: list[int]):
@@ -74,22 +82,22 @@ def _uniform(top: tuple[tuple[int, float], ...], vocab: int) -> bool:
 
 
 def assert_greedy_identical_with(
-    set_enabled: Callable[[bool | None], None],
+    kernel: str,
     path,
     prompts: list[list[int]],
     *,
     trained_mtp: bool = True,
 ) -> None:
-    """Greedy decoding of `prompts` on the checkpoint at `path` with a kernel (its default)
-    against the reference with it off (`set_enabled(False)`): MTP off, MTP on (drafts
-    rejected and rolled back; with a trained MTP head, `trained_mtp`, some accepted too), and
-    the prompts batched, each equal to the reference up to ties. A random fixture's MTP head
-    drafts what the target almost never takes (seen on an H100: none of the MoE fixture's)."""
-    set_enabled(False)
-    try:
-        reference = run(decode_with_top(path, prompts, mtp=False))
-    finally:
-        set_enabled(None)
+    """Greedy decoding of `prompts` on the checkpoint at `path` with a kernel (the device's
+    default fast path, where the `DecodeFastPath` field `kernel` is on) against the reference
+    with only that field off: MTP off, MTP on (drafts rejected and rolled back; with a trained
+    MTP head, `trained_mtp`, some accepted too), and the prompts batched, each equal to the
+    reference up to ties. A random fixture's MTP head drafts what the target almost never
+    takes (none of the MoE fixture's, seen on CUDA)."""
+    with_kernel = DecodeFastPath.for_device()
+    assert getattr(with_kernel, kernel), f"{kernel} is not on by default here"
+    without = dataclasses.replace(with_kernel, **{kernel: False})
+    reference = run(decode_with_top(path, prompts, mtp=False, fast_path=without))
     vocab = load_model_config(path).text.vocab_size
     if any(_uniform(top[0], vocab) for _, top, *_ in reference):
         # Seen on MLX 0.32.4 CUDA with the MoE fixture: "Failed to initialize the TMA
@@ -97,11 +105,12 @@ def assert_greedy_identical_with(
         # experts), and every logit of the first token equal: no reference to compare with.
         pytest.xfail("MLX's own path computes no distribution on this checkpoint here")
     for mtp in (False, True):
-        outs = run(decode_with_top(path, prompts, mtp=mtp))
+        outs = run(decode_with_top(path, prompts, mtp=mtp, fast_path=with_kernel))
         assert_same_but_at_ties(outs, reference)
     drafted, accepted = sum(o[2] for o in outs), sum(o[3] for o in outs)
     assert accepted < drafted  # drafts rejected, and rolled back
     assert accepted > 0 or not trained_mtp
     assert_same_but_at_ties(
-        run(decode_with_top(path, prompts, mtp=True, concurrent=True)), reference
+        run(decode_with_top(path, prompts, mtp=True, concurrent=True, fast_path=with_kernel)),
+        reference,
     )

@@ -190,8 +190,10 @@ class HostLab:
                 stdout=subprocess.DEVNULL,
                 stderr=(self.directory / f"sshd_{i}.log").open("w"),
             )
+            # The alias and the bare address alike (`ssh root@ADDRESS`, as cluster files write).
             config_lines.append(
-                f"Host {host.name}\n  HostName {host.slow_address}\n  User root\n"
+                f"Host {host.name} {host.slow_address}\n  HostName {host.slow_address}\n"
+                "  User root\n"
                 f"  IdentityFile {self.key}\n  IdentitiesOnly yes\n"
                 "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
             )

@@ -34,8 +34,9 @@ import grpc
 import pytest
 
 from cluster.decode.engine import GenerationEngine
+from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
 from cluster.transport.auth import token_metadata
-from cluster.transport.node_client import NodeClient, RemotePipeline, load_pipeline
+from cluster.transport.node_client import NodeClient
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 
@@ -245,9 +246,8 @@ async def remote_engine(
     cache_budget_bytes: int | None = None,
 ) -> AsyncIterator[tuple[GenerationEngine, RemotePipeline]]:
     """Load a layout on the nodes (LoadShard replaces what they held) and drive it."""
-    pipeline = await load_pipeline(
-        model_dir, addresses, token=token, ranges=ranges, cache_budget_bytes=cache_budget_bytes
-    )
+    settings = PipelineSettings(token, ranges=ranges, cache_budget_bytes=cache_budget_bytes)
+    pipeline = await load_pipeline(model_dir, addresses, settings)
     try:
         yield GenerationEngine(pipeline, prefill_chunk=prefill_chunk), pipeline
     finally:

@@ -12,8 +12,9 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from cluster.commands.coordinator import coordinator_command
+from cluster.commands.status import status_command
 from coordinator.api_keys import API_KEY_ENV, ApiKeys, read_api_keys
-from coordinator.cli import coordinator_command, status_command
 from tests.fakes import MODEL_ID, FakeEngine, Served, serve
 
 KEYS = ("sk-first-key", "sk-second-key")

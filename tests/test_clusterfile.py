@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.hosts.clusterfile import ClusterFileError, load_cluster_file
+from cluster.hosts.clusterfile import ClusterFileError, default_name, load_cluster_file
+from cluster.hosts.ssh import SSH
 from cluster.secret import SecretFileError, ensure_secret, read_secret
 
 MODEL = Path(__file__).resolve().parent.parent / "cluster" / "assets" / "qwen3_5-tiny-mtp"
@@ -45,6 +46,86 @@ def test_the_example_in_deploy_parses(tmp_path: Path):
     assert [n.ssh for n in parse(tmp_path, text).nodes] == ["mac-1", "mac-2", "mac-3"]
 
 
+def nodes_of(tmp_path: Path, *tables: str) -> list[tuple[str, str]]:
+    text = f'model = "{MODEL}"\n' + "".join(f"[[node]]\n{t}\n" for t in tables)
+    return [(n.ssh, n.name) for n in parse(tmp_path, text).nodes]
+
+
+def test_ip_address_targets_are_named_by_their_whole_address(tmp_path: Path):
+    targets = ["root@10.78.0.1", "root@10.78.0.2", "10.78.0.3"]
+    names = nodes_of(tmp_path, *(f'ssh = "{t}"' for t in targets))
+    assert names == [(t, t.removeprefix("root@")) for t in targets]
+
+
+@pytest.mark.parametrize(
+    ("ssh", "name"),
+    [
+        ("me@mac-1.local", "mac-1"),
+        ("mac-studio-1", "mac-studio-1"),  # an ssh alias, as it is
+        ("10.0.0.2", "10.0.0.2"),
+        ("user@10.0.0.2", "10.0.0.2"),
+        ("[fe80::1]", "fe80--1"),
+        ("root@[2001:db8::7]", "2001-db8--7"),
+        ("fe80::1%en0", "fe80--1-en0"),
+        ("ssh://me@mac-2.local:2222", "mac-2"),
+        ("::1", "host--1"),
+    ],
+)
+def test_a_name_from_every_kind_of_ssh_target(ssh: str, name: str):
+    assert default_name(ssh) == name
+
+
+@pytest.mark.parametrize("ssh", ["[fe80::1]", "me@[2001:db8::7]:22", "a:b@c.d", "x y", "::1"])
+def test_default_names_are_safe_as_labels_units_and_directories(ssh: str):
+    """The name becomes `com.qwencluster.node.NAME` (launchd), `qwencluster-node-NAME`
+    (systemd), a state directory and the node id: no ':', '/', '%' or spaces in it."""
+    import re
+
+    name = default_name(ssh, 50160)
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", name), name
+    assert name.endswith("-50160")
+
+
+@pytest.mark.parametrize(
+    ("target", "argv"),
+    [
+        ("root@[fe80::1]", ["--", "root@fe80::1"]),  # ssh resolves no brackets
+        ("[2001:db8::7]:2222", ["-p", "2222", "--", "2001:db8::7"]),
+        ("root@10.0.0.2", ["--", "root@10.0.0.2"]),
+        ("mac-1", ["--", "mac-1"]),
+    ],
+)
+def test_ssh_reaches_every_target_as_written(target: str, argv: list[str]):
+    assert SSH().argv(target, ["true"])[-len(argv) - 1 : -1] == argv
+
+
+def test_nodes_of_one_host_on_two_ports_get_two_names(tmp_path: Path):
+    names = nodes_of(
+        tmp_path, 'ssh = "root@10.0.0.2"', 'ssh = "root@10.0.0.2"\nport = 50152',
+        'ssh = "mac-1.local"\nport = 50153', 'ssh = "mac-1.local"\nport = 50154',
+    )  # fmt: skip
+    assert [n for _, n in names] == ["10.0.0.2", "10.0.0.2-50152", "mac-1", "mac-1-50154"]
+    # The lowest port keeps the plain name, wherever it is in the file: adding a node on a
+    # higher port renames none of those already installed.
+    names = nodes_of(tmp_path, 'ssh = "10.0.0.2"\nport = 50300', 'ssh = "10.0.0.2"\nport = 50200')
+    assert [n for _, n in names] == ["10.0.0.2-50300", "10.0.0.2"]
+
+
+def test_hosts_alike_in_their_first_label_keep_their_domain(tmp_path: Path):
+    """Only the names that would clash change: a node added later does not rename the others
+    unless it clashes with them."""
+    names = nodes_of(
+        tmp_path, 'ssh = "mac-1.lan"', 'ssh = "mac-1.office"', 'ssh = "mac-2.lan"',
+        'ssh = "mac-1.lan"\nport = 50152',
+    )  # fmt: skip
+    assert [n for _, n in names] == ["mac-1.lan", "mac-1.office", "mac-2", "mac-1.lan-50152"]
+
+
+def test_a_given_name_wins(tmp_path: Path):
+    names = nodes_of(tmp_path, 'ssh = "root@10.0.0.2"\nname = "studio"', 'ssh = "10.0.0.3"')
+    assert [n for _, n in names] == ["studio", "10.0.0.3"]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -57,7 +138,12 @@ def test_the_example_in_deploy_parses(tmp_path: Path):
         ('model = "{model}"\n[[node]]\nssh = "a"\nport = 70000\n', "port must be 1-65535"),
         ('model = "{model}"\n[[node]]\nssh = "a"\nmemory_gb = -1\n', "memory_gb must be pos"),
         ('model = "{model}"\n[[node]]\nssh = "a"\nservice = "cron"\n', "service must be one of"),
-        ('model = "{model}"\n[[node]]\nssh = "a.x"\n[[node]]\nssh = "a.y"\n', "share the name"),
+        (
+            'model = "{model}"\n[[node]]\nssh = "a"\nname = "b"\n[[node]]\nssh = "b"\n',
+            "share the name",
+        ),
+        ('model = "{model}"\n[[node]]\nssh = "a"\n[[node]]\nssh = "me@a"\n', "one host and port"),
+        ('model = "{model}"\n[[node]]\nssh = "a"\nname = "a/b"\n', "use letters, digits"),
         ('model = "/nonexistent"\n[[node]]\nssh = "a"\n', "is not a model directory"),
         ('model = "{model}"\n[[node]\nssh = "a"\n', "not valid TOML"),
     ],

@@ -22,12 +22,13 @@ from mlx.utils import tree_flatten
 from test_loading import forward, params, raw_tensors, spec
 
 import cluster.model.convert as convert_module
+from cluster.commands.convert import convert_command
 from cluster.config import ModelDirError, load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
-from cluster.model.convert import ConvertError, convert, convert_command
+from cluster.model.convert import ConvertError, convert
 from cluster.model.loading import load_shard
 from cluster.model.shard import ModelShard, ShardSpec
 

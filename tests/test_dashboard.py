@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -89,3 +90,24 @@ def test_dashboard_shows_nodes_and_marks_a_down_one(page_and_server: tuple[Any, 
 
     served.view.set_up("mac-1", True)  # and it recovers on the page too
     expect(page.locator(".node-down")).to_have_count(0, timeout=POLL_DEADLINE_MS)
+
+
+def test_dashboard_says_which_nodes_keep_their_mac_awake(page_and_server: tuple[Any, Served]):
+    """Each card says whether its node holds its Mac awake, or why not; a placed node that
+    reports no hop yet says its hop is being measured."""
+    page, served = page_and_server
+    expect = playwright.expect
+    note = "not macOS (linux): nothing to keep awake"
+    served.view.nodes = [
+        replace(n, keeps_awake=True, keep_awake_note="held by /usr/bin/caffeinate -i -s -w 7")
+        if i < 2
+        else replace(n, keep_awake_note=note)
+        for i, n in enumerate(served.view.nodes)
+    ]
+    cards = page.locator(".node")
+    expect(cards).to_have_count(3, timeout=POLL_DEADLINE_MS)
+    for i in range(2):
+        expect(cards.nth(i).locator("dd.awake")).to_have_text("yes", timeout=POLL_DEADLINE_MS)
+        expect(cards.nth(i)).to_contain_text("measuring")  # no hop reported yet
+    expect(cards.nth(2).locator("dd.asleep")).to_have_text(f"no · {note}")
+    expect(cards.nth(2)).not_to_contain_text("measuring")  # the tail has no hop

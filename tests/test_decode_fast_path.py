@@ -1,13 +1,16 @@
 """The decoding fast path computes exactly what the plain path does.
 
 Fused projections (`cluster.model.fused`), compiled GatedDeltaNet steps
-(`cluster.model.compiled`: the recurrence alone, or whole layers) and steps padded to 8 rows
-(`cluster.model.row_padding`) are forced on here (by default both are on for CUDA only):
-logits, greedy tokens and the caches after a rejected draft must equal the plain path's, on the
-bundled model and a MoE fixture.
+(`cluster.model.compiled_steps`: the recurrence alone, or whole layers) and steps padded to 8
+rows (`cluster.model.row_padding`) are asked for here by each shard's `DecodeFastPath` (by
+default they are on for CUDA only): logits, greedy tokens and the caches after a rejected draft
+must equal those of shards built with `DecodeFastPath.plain()`, on the bundled model and a MoE
+fixture.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,31 +23,30 @@ from cluster.decode.engine import GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.decode.runner import ShardRunner
 from cluster.messages import RequestOptions, StepRequest
-from cluster.model import compiled, fused, row_padding
+from cluster.model import fused, row_padding
 from cluster.model.cache import RequestCache
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
 
 # Bitwise identity with the plain ops is the CPU backend's: MLX CUDA picks its matmul kernels
-# by row count, so padded or batched rows round differently there (6 of these tests failed on
-# an H100 alike before and after the batch-row change, BENCHMARKS.md run Z). On CUDA,
+# by row count, so padded or batched rows round differently there. On CUDA,
 # tests/test_few_row_matmul.py checks the greedy text up to ties instead.
 pytestmark = pytest.mark.skipif(
     mx.cuda.is_available(), reason="bitwise identity across row counts holds on the CPU only"
 )
 
-
-def _set_fast_path(on: bool | None, *, pad_from: int = 2) -> None:
-    compiled.set_enabled(on)
-    compiled.set_layers_enabled(None)
-    row_padding.set_enabled(on, from_rows=pad_from)
+PLAIN = DecodeFastPath.plain()
+# Everything on, steps of 2 rows and more padded (the kernels run on CUDA only).
+FAST = DecodeFastPath.everything(pad_rows_from=2)
 
 
-@pytest.fixture
-def fast_path():
-    _set_fast_path(True)
-    yield
-    _set_fast_path(None)
+def test_the_default_here_is_the_plain_path() -> None:
+    """On the CPU the device's default asks for none of it (on CUDA, all of it)."""
+    assert DecodeFastPath.for_device() == PLAIN
+    assert FAST.compiled_steps and FAST.compiled_layers and FAST.compiled_batches
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FAST.compiled_steps = False  # type: ignore[misc]
 
 
 def _logits(shard, prompt: list[int], steps: list[tuple[int, ...]]) -> list[mx.array]:
@@ -66,10 +68,13 @@ def _logits(shard, prompt: list[int], steps: list[tuple[int, ...]]) -> list[mx.a
     [(None, True, 2), (None, False, 1), (4, True, 1), (4, False, row_padding.PAD_FROM)],
 )
 def test_fused_compiled_padded_logits_equal_plain(
-    model_dir, tokenizer, fast_path, bits, whole_layers, pad_from
+    model_dir, tokenizer, bits, whole_layers, pad_from
 ) -> None:
-    plain = load_shard(model_dir)
-    fast = load_shard(model_dir, for_decoding=bits is None)
+    # whole_layers False: only the recurrence is compiled
+    chosen = DecodeFastPath.everything(pad_rows_from=pad_from)
+    chosen = dataclasses.replace(chosen, compiled_layers=whole_layers)
+    plain = load_shard(model_dir, fast_path=PLAIN)
+    fast = load_shard(model_dir, for_decoding=bits is None, fast_path=chosen)
     if bits is not None:  # the bundled model is bf16: quantize both alike, then fuse one
         for shard in (plain, fast):
             nn.quantize(shard, group_size=64, bits=bits)
@@ -77,20 +82,21 @@ def test_fused_compiled_padded_logits_equal_plain(
             len(fast.layers) + 1
         )  # mixer + MLP, MTP layer too
     assert "in_proj" in fast.layers[0].linear_attn and "qkv_proj" in fast.layers[3].self_attn
-    assert fast.pads_rows
+    assert fast.pads_rows and not plain.pads_rows
+    assert fast.fast_path is chosen and plain.fast_path is PLAIN
     prompt = tokenizer.encode(CODE_PROMPTS[0])
     # 1 to 5 positions: padded rows from `pad_from` on, snapshots after the first
     steps = [(5,), (7, 9), (11,), (3, 4, 8), (12,), (1, 2, 6, 10, 13)]
-    _set_fast_path(False)
     reference = _logits(plain, prompt, steps)
-    _set_fast_path(True, pad_from=pad_from)
-    compiled.set_layers_enabled(whole_layers)  # False: only the recurrence is compiled
     for a, b in zip(reference, _logits(fast, prompt, steps), strict=True):
         assert mx.array_equal(a, b)
+    # The whole layers ran compiled, or none did; the plain shard compiled nothing.
+    assert bool(fast.layers[0]._traces.steps) == whole_layers
+    assert not plain.layers[0]._traces.steps
 
 
 def test_layers_quantized_apart_are_not_computed_with_each_others_settings(
-    model_dir, tokenizer, fast_path
+    model_dir, tokenizer
 ) -> None:
     """A mixed-precision checkpoint: one GatedDeltaNet layer at 8 bits, the rest at 4. The
     compiled layer step's trace takes a layer's weights as inputs; only layers of one structure
@@ -101,55 +107,55 @@ def test_layers_quantized_apart_are_not_computed_with_each_others_settings(
             return False
         return {"group_size": 64, "bits": 8} if path.startswith("layers.1.") else True
 
-    plain, fast = load_shard(model_dir), load_shard(model_dir)
+    plain, fast = load_shard(model_dir, fast_path=PLAIN), load_shard(model_dir, fast_path=FAST)
     for shard in (plain, fast):
         nn.quantize(shard, group_size=64, bits=4, class_predicate=eight_bits_in_layer_1)
     assert fast.layers[1].mlp.down_proj.bits == 8 and fast.layers[0].mlp.down_proj.bits == 4
     fused.fuse_projections(fast)
     prompt = tokenizer.encode(CODE_PROMPTS[0])
     steps = [(5,), (7, 9), (11,)]
-    _set_fast_path(False)
     reference = _logits(plain, prompt, steps)
-    _set_fast_path(True)
     for a, b in zip(reference, _logits(fast, prompt, steps), strict=True):
         assert mx.array_equal(a, b)
+    # The 8-bit layer got a trace of its own.
+    structures = {key[0] for key in fast.layers[0]._traces.steps}
+    assert len(structures) == 2
 
 
-def test_padding_is_for_short_dense_steps(fast_path) -> None:
-    assert [row_padding.padded_rows(n) for n in (1, 2, 7, 8, 30)] == [1, 8, 8, 8, 30]
-    row_padding.set_enabled(True)  # the default threshold
-    assert [row_padding.padded_rows(n) for n in (2, 3, 4, 7)] == [2, 3, 8, 8]
-    row_padding.set_enabled(True, from_rows=1)
-    assert row_padding.padded_rows(1) == 8
-    row_padding.set_enabled(False)
-    assert row_padding.padded_rows(5) == 5
-    with pytest.raises(ValueError, match="from_rows"):
-        row_padding.set_enabled(True, from_rows=0)
+def test_padding_is_for_short_dense_steps() -> None:
+    padded_rows = row_padding.padded_rows
+    assert [padded_rows(n, 2) for n in (1, 2, 7, 8, 30)] == [1, 8, 8, 8, 30]
+    assert row_padding.PAD_FROM == 4  # the default threshold
+    assert [padded_rows(n, row_padding.PAD_FROM) for n in (2, 3, 4, 7)] == [2, 3, 8, 8]
+    assert padded_rows(1, 1) == 8
+    assert [padded_rows(n, None) for n in (1, 5, 30)] == [1, 5, 30]
+    for bad in (0, row_padding.PAD_TO + 1):
+        with pytest.raises(ValueError, match="pad_rows_from"):
+            DecodeFastPath(pad_rows_from=bad)
     x = mx.ones((1, 3, 4))
     padded = row_padding.pad_rows(x, 8)
     assert padded.shape == (1, 8, 4) and mx.array_equal(padded[:, :3], x)
     assert not padded[:, 3:].any().item()
 
 
-def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast_path) -> None:
+def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer) -> None:
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
-    fast = {mtp: run(_generate_all(model_dir, prompts, mtp=mtp)) for mtp in (False, True)}
-    # Batched: whole compiled layers (one trace for every layer), then the plain ops, then
-    # the recurrence alone compiled per batch shape.
-    fast["batched"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
-    compiled.set_layers_enabled(False)
-    try:
-        fast["batched, plain"] = run(_generate_all(model_dir, prompts, mtp=True, concurrent=True))
-        compiled.set_batches_enabled(True)
-        fast["batched, compiled recurrence"] = run(
-            _generate_all(model_dir, prompts, mtp=True, concurrent=True)
+    fast = {
+        mtp: run(_generate_all(model_dir, prompts, mtp=mtp, fast_path=FAST))
+        for mtp in (False, True)
+    }
+    # Batched: whole compiled layers (one trace for every layer), then the plain ops for the
+    # batch, then the recurrence alone compiled per batch shape.
+    batched = {
+        "batched": FAST,
+        "batched, plain": dataclasses.replace(FAST, compiled_layers=False, compiled_batches=False),
+        "batched, compiled recurrence": dataclasses.replace(FAST, compiled_layers=False),
+    }
+    for kind, chosen in batched.items():
+        fast[kind] = run(
+            _generate_all(model_dir, prompts, mtp=True, concurrent=True, fast_path=chosen)
         )
-    finally:
-        compiled.set_batches_enabled(None)
-        compiled.set_layers_enabled(None)
-    _set_fast_path(False)
-    reference = run(_generate_all(model_dir, prompts, mtp=False))
-    _set_fast_path(True)
+    reference = run(_generate_all(model_dir, prompts, mtp=False, fast_path=PLAIN))
     for outs in fast.values():
         assert [o.tokens for o in outs] == [o.tokens for o in reference]
     assert 0 < sum(o.accepted for o in fast[True]) < sum(o.drafted for o in fast[True])
@@ -157,7 +163,7 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
         assert sum(o.drafted for o in fast[kind]) > 0
 
     # A rejected draft on the compiled path leaves the caches as if never seen.
-    shard = load_shard(model_dir, for_decoding=True)
+    shard = load_shard(model_dir, for_decoding=True, fast_path=FAST)
     prompt = tuple(prompts[0])
     drafted, clean = ShardRunner(shard), ShardRunner(shard)
     first = _prefill(drafted, "r", prompt)
@@ -174,8 +180,10 @@ def test_fast_path_greedy_identity_and_exact_rollback(model_dir, tokenizer, fast
     _assert_same_caches(drafted.requests["r"].cache, clean.requests["r"].cache)
 
 
-async def _generate_at_depth(model_dir, prompts: list[list[int]], depth: int) -> list:
-    local = await open_local_engine(model_dir)
+async def _generate_at_depth(
+    model_dir, prompts: list[list[int]], depth: int, fast_path: DecodeFastPath
+) -> list:
+    local = await open_local_engine(model_dir, fast_path=fast_path)
     try:
         options = RequestOptions(mtp=depth > 0, mtp_depth=depth)
         return [
@@ -188,64 +196,60 @@ async def _generate_at_depth(model_dir, prompts: list[list[int]], depth: int) ->
 def test_deep_drafts_padded_greedy_identity(model_dir, tokenizer) -> None:
     """Depth 3 and 4: steps of 4 and 5 rows, padded from the default threshold on."""
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
-    _set_fast_path(False)
-    reference = run(_generate_at_depth(model_dir, prompts, 0))
-    _set_fast_path(True, pad_from=row_padding.PAD_FROM)
-    try:
-        for depth in (3, 4):
-            outs = run(_generate_at_depth(model_dir, prompts, depth))
-            assert [o.tokens for o in outs] == [o.tokens for o in reference]
-            assert 0 < sum(o.accepted for o in outs) < sum(o.drafted for o in outs)
-    finally:
-        _set_fast_path(None)
+    reference = run(_generate_at_depth(model_dir, prompts, 0, PLAIN))
+    padded = DecodeFastPath.everything(pad_rows_from=row_padding.PAD_FROM)
+    for depth in (3, 4):
+        outs = run(_generate_at_depth(model_dir, prompts, depth, padded))
+        assert [o.tokens for o in outs] == [o.tokens for o in reference]
+        assert 0 < sum(o.accepted for o in outs) < sum(o.drafted for o in outs)
 
 
-def test_moe_fast_path_greedy_identity(tmp_path, fast_path) -> None:
+def test_moe_fast_path_greedy_identity(tmp_path) -> None:
     from checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
-    assert not load_shard(path).pads_rows  # zero rows would be routed to experts
+    # Zero rows would be routed to experts: asked for, padding is left out.
+    assert not load_shard(path, fast_path=FAST).pads_rows
     prompts = [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-    fast = run(_generate_all(path, prompts, mtp=True))
-    compiled.set_batches_enabled(True)
-    try:  # the two requests batched, their recurrence compiled per batch shape
-        batched = run(_generate_all(path, prompts, mtp=True, concurrent=True))
-    finally:
-        compiled.set_batches_enabled(None)
-    _set_fast_path(False)
-    reference = run(_generate_all(path, prompts, mtp=False))
+    fast = run(_generate_all(path, prompts, mtp=True, fast_path=FAST))
+    # The two requests batched, their recurrence compiled per batch shape.
+    batch_recurrence = dataclasses.replace(FAST, compiled_layers=False)
+    batched = run(
+        _generate_all(path, prompts, mtp=True, concurrent=True, fast_path=batch_recurrence)
+    )
+    reference = run(_generate_all(path, prompts, mtp=False, fast_path=PLAIN))
     assert [o.tokens for o in fast] == [o.tokens for o in reference]
     assert [o.tokens for o in batched] == [o.tokens for o in reference]
     assert sum(o.drafted for o in fast) > 0 and sum(o.drafted for o in batched) > 0
 
 
-def test_compiled_batch_rejected_drafts_are_undone_exactly(model_dir, tokenizer, fast_path) -> None:
-    """Two requests in one step of the same shape run the batch's compiled recurrence; both
-    drafts rejected, every cache equals a run that never saw them."""
-    compiled.set_batches_enabled(True)
-    try:
-        shard = load_shard(model_dir, for_decoding=True)
-        prompts = [tuple(tokenizer.encode(p)) for p in CODE_PROMPTS[:2]]
-        drafted, clean = ShardRunner(shard), ShardRunner(shard)
-        firsts = [_prefill(drafted, f"r{i}", p) for i, p in enumerate(prompts)]
-        assert [_prefill(clean, f"r{i}", p) for i, p in enumerate(prompts)] == firsts
-        wrong = [
-            StepRequest(f"r{i}", (f.tokens[0], (f.drafts[0] + 1) % 8192), len(p), draft_len=1)
-            for i, (f, p) in enumerate(zip(firsts, prompts, strict=True))
-        ]
-        rejected = drafted.run(wrong).results
-        assert [(r.keep, r.accepted) for r in rejected] == [(1, 0), (1, 0)]
-        alone = clean.run(
-            [StepRequest(s.request_id, s.tokens[:1], s.position) for s in wrong]
-        ).results
-        assert [(r.tokens, r.drafts) for r in rejected] == [(r.tokens, r.drafts) for r in alone]
-        following = [
-            StepRequest(s.request_id, r.tokens, s.position + 1)
-            for s, r in zip(wrong, alone, strict=True)
-        ]
-        carried = [StepRequest(s.request_id, s.tokens, s.position, rollback=1) for s in following]
-        assert drafted.run(carried).results == clean.run(following).results
-        for i in range(2):
-            _assert_same_caches(drafted.requests[f"r{i}"].cache, clean.requests[f"r{i}"].cache)
-    finally:
-        compiled.set_batches_enabled(None)
+@pytest.mark.parametrize("whole_layers", [False, True])
+def test_compiled_batch_rejected_drafts_are_undone_exactly(
+    model_dir, tokenizer, whole_layers
+) -> None:
+    """Two requests in one step of the same shape run the batch's compiled recurrence (or, with
+    `whole_layers`, the batch's compiled layers); both drafts rejected, every cache equals a
+    run that never saw them."""
+    chosen = dataclasses.replace(FAST, compiled_layers=whole_layers)
+    shard = load_shard(model_dir, for_decoding=True, fast_path=chosen)
+    prompts = [tuple(tokenizer.encode(p)) for p in CODE_PROMPTS[:2]]
+    drafted, clean = ShardRunner(shard), ShardRunner(shard)
+    firsts = [_prefill(drafted, f"r{i}", p) for i, p in enumerate(prompts)]
+    assert [_prefill(clean, f"r{i}", p) for i, p in enumerate(prompts)] == firsts
+    wrong = [
+        StepRequest(f"r{i}", (f.tokens[0], (f.drafts[0] + 1) % 8192), len(p), draft_len=1)
+        for i, (f, p) in enumerate(zip(firsts, prompts, strict=True))
+    ]
+    rejected = drafted.run(wrong).results
+    assert [(r.keep, r.accepted) for r in rejected] == [(1, 0), (1, 0)]
+    alone = clean.run([StepRequest(s.request_id, s.tokens[:1], s.position) for s in wrong]).results
+    assert [(r.tokens, r.drafts) for r in rejected] == [(r.tokens, r.drafts) for r in alone]
+    following = [
+        StepRequest(s.request_id, r.tokens, s.position + 1)
+        for s, r in zip(wrong, alone, strict=True)
+    ]
+    carried = [StepRequest(s.request_id, s.tokens, s.position, rollback=1) for s in following]
+    assert drafted.run(carried).results == clean.run(following).results
+    for i in range(2):
+        _assert_same_caches(drafted.requests[f"r{i}"].cache, clean.requests[f"r{i}"].cache)
+    assert bool(shard.layers[0]._traces.steps) == whole_layers

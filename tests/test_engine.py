@@ -18,8 +18,10 @@ from cluster.messages import RequestError, RequestOptions
 MAX_TOKENS = REFERENCE_TOKENS  # as the plain and with_mtp outputs have
 
 
-async def _generate_all(model_dir, prompts, *, mtp: bool, ranges=None, concurrent=False):
-    local = await open_local_engine(model_dir, ranges=ranges, mtp=mtp)
+async def _generate_all(
+    model_dir, prompts, *, mtp: bool, ranges=None, concurrent=False, fast_path=None
+):
+    local = await open_local_engine(model_dir, ranges=ranges, mtp=mtp, fast_path=fast_path)
     try:
         stop = frozenset(local.config.eos_token_ids)
         requests = [

@@ -1,8 +1,9 @@
 """The few-row quantized matmul (`cluster.model.few_row_matmul`) and, for a batch's 4 to 32
 rows at 4 bits, the tensor-core one (`cluster.model.tensor_core_matmul`).
 
-Everywhere: which linear maps take it, that they keep their arrays, and that with the kernel
-off they compute exactly what `nn.QuantizedLinear` does. Where MLX runs on CUDA (the kernel
+Everywhere: which linear maps take it, that they keep their arrays, that where the kernel does
+not run they compute exactly what `nn.QuantizedLinear` does, and that a shard whose
+`DecodeFastPath` leaves the kernel out keeps MLX's layers. Where MLX runs on CUDA (the kernel
 itself; run there with `python -m pytest tests/test_few_row_matmul.py`): the kernel against
 a float32 reference and MLX's own kernel, each row independent of the rows beside it, and
 greedy decoding at 4 bits identical with the kernel and without, with MTP (rejected drafts
@@ -12,6 +13,8 @@ rounds its float sums as MLX's kernel does but in another order (tests/greedy_ti
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -20,10 +23,12 @@ from greedy_ties import assert_greedy_identical_with
 
 from cluster.model import few_row_matmul, tensor_core_matmul
 from cluster.model.convert import convert
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.few_row_matmul import (
     FewRowQuantizedLinear,
     few_row_quantized_matmul,
     use_few_row_kernel,
+    use_mlx_kernels,
 )
 from cluster.model.loading import load_shard
 from cluster.model.tensor_core_matmul import tensor_core_quantized_matmul
@@ -31,13 +36,6 @@ from cluster.model.tensor_core_matmul import tensor_core_quantized_matmul
 on_cuda = pytest.mark.skipif(
     not few_row_matmul.available(), reason="the kernel runs on MLX's CUDA backend only"
 )
-
-
-@pytest.fixture
-def kernel_off():
-    few_row_matmul.set_enabled(False)
-    yield
-    few_row_matmul.set_enabled(None)
 
 
 def _quantized(
@@ -54,7 +52,7 @@ def _input(layer: nn.Module) -> mx.array:
     return mx.random.normal((1, 3, width)).astype(layer.scales.dtype if quantized else mx.float32)
 
 
-def test_eligible_layers_are_swapped_over_their_own_arrays(kernel_off) -> None:
+def test_eligible_layers_are_swapped_over_their_own_arrays() -> None:
     model = nn.Module()
     model.q4 = _quantized(256, 70, bias=True)
     model.q8 = _quantized(128, 33, bits=8, group_size=128)
@@ -77,9 +75,20 @@ def test_eligible_layers_are_swapped_over_their_own_arrays(kernel_off) -> None:
             assert set(layer) == set(arrays[name])
             assert all(layer[k] is v for k, v in arrays[name].items())
             assert layer.trainable_parameters() == {}
+            # What MLX's layer computes of them, exactly.
+            mlx = nn.QuantizedLinear.__call__(layer, inputs[name])
+            assert mx.array_equal(mlx, expected[name]), name
         else:
             assert type(layer) in (nn.QuantizedLinear, nn.Linear)
-        assert mx.array_equal(layer(inputs[name]), expected[name]), name
+        if name not in swapped or not few_row_matmul.available():  # where no kernel runs
+            assert mx.array_equal(layer(inputs[name]), expected[name]), name
+    # And back: MLX's layers over the same arrays.
+    assert use_mlx_kernels(model) == 4
+    for name, layer in model.named_modules():
+        if name in swapped:
+            assert type(layer) is nn.QuantizedLinear
+            assert all(layer[k] is v for k, v in arrays[name].items())
+            assert mx.array_equal(layer(inputs[name]), expected[name]), name
 
 
 def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -> None:
@@ -91,6 +100,11 @@ def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -
         assert not any(type(m) is nn.QuantizedLinear for _, m in shard.named_modules())
     else:
         assert swapped == []
+    # Left out of the fast path, the kernel is swapped in nowhere.
+    without = dataclasses.replace(DecodeFastPath.for_device(), few_row_kernel=False)
+    shard = load_shard(q4, for_decoding=True, fast_path=without)
+    assert not any(isinstance(m, FewRowQuantizedLinear) for _, m in shard.named_modules())
+    assert shard.lm_head.__class__ is nn.QuantizedLinear
 
 
 def _matmul(kernel: str, layer: nn.Module, x: mx.array) -> mx.array:
@@ -216,7 +230,7 @@ def test_layers_take_the_kernels_by_rows() -> None:
 def test_greedy_decoding_identical_with_the_kernel(model_dir, tokenizer, tmp_path) -> None:
     q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
     assert_greedy_identical_with(
-        few_row_matmul.set_enabled, q4, [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
+        "few_row_kernel", q4, [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
     )
 
 
@@ -231,7 +245,7 @@ def test_moe_greedy_decoding_identical_with_the_kernel(tmp_path) -> None:
     shard = load_shard(q4, for_decoding=True)
     assert any(isinstance(m, FewRowQuantizedLinear) for _, m in shard.named_modules())
     assert_greedy_identical_with(
-        few_row_matmul.set_enabled,
+        "few_row_kernel",
         q4,
         [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]],
         trained_mtp=False,

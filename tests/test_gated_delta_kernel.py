@@ -1,6 +1,7 @@
 """GatedDeltaNet's recurrence as one CUDA kernel (`cluster.model.gated_delta_kernel`).
 
-Everywhere: what the kernel takes, and that without it (the CPU) the layers run mlx-lm's ops.
+Everywhere: what the kernel takes, and that without it (the CPU, or a `DecodeFastPath` that
+leaves it out) the layers run mlx-lm's ops.
 Where MLX runs on CUDA (`python -m pytest tests/test_gated_delta_kernel.py` there): the kernel
 against mlx-lm's ops, with the states a rejected draft restores; each position computed alike
 at every step length, so that a restored snapshot is bit for bit the state a step without the
@@ -18,7 +19,7 @@ from greedy_ties import assert_greedy_identical_with
 
 from cluster.model import gated_delta_kernel
 from cluster.model.convert import convert
-from cluster.model.layers import _recurrence
+from cluster.model.layers import _recurrence, core_step
 
 on_cuda = pytest.mark.skipif(
     not gated_delta_kernel.available(), reason="the kernel runs on MLX's CUDA backend only"
@@ -45,10 +46,15 @@ def _inputs(batch: int, length: int, k_heads: int, v_heads: int, dim: int, dtype
 
 
 def _run(inputs, snapshot_at: tuple[int, ...], *, use_kernel: bool):
-    snapshots: dict[int, mx.array] = {}
-    out, state = _recurrence(*inputs, snapshot_at, snapshots, use_kernel=use_kernel)
+    q, k, v, a, b, a_log, dt_bias, state = inputs
+    length = q.shape[1]
+    first = snapshot_at[0] if snapshot_at else length
+    step = core_step((q.shape[2], v.shape[2], q.shape[3], v.shape[3]), length, first, use_kernel)
+    assert step.snapshot_at == snapshot_at
+    out, state, snapshots = _recurrence(q, k, v, a, b, (a_log, dt_bias), state, step)
     mx.eval(out, state, snapshots)
-    return out, state, [snapshots[keep] for keep in snapshot_at]
+    assert len(snapshots) == len(snapshot_at)
+    return out, state, snapshots
 
 
 def test_it_takes_what_it_computes(monkeypatch) -> None:
@@ -65,25 +71,22 @@ def test_it_takes_what_it_computes(monkeypatch) -> None:
     long = _inputs(1, 40, 2, 4, 64, mx.bfloat16)
     assert gated_delta_kernel.takes(long[0], long[2], state, (31,))
     assert not gated_delta_kernel.takes(long[0], long[2], state, (32,))
-    gated_delta_kernel.set_enabled(False)
-    try:
-        assert not gated_delta_kernel.takes(q, v, state, ())
-    finally:
-        gated_delta_kernel.set_enabled(None)
+    monkeypatch.setattr(gated_delta_kernel, "available", lambda: False)
+    assert not gated_delta_kernel.takes(q, v, state, ())
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="on Metal mlx-lm's own kernel runs")
 def test_without_the_kernel_the_ops_run() -> None:
-    """Asked for a kernel where none runs (the CPU, or CUDA with this one off), the recurrence
-    is mlx-lm's ops, exactly."""
+    """Asked for a kernel where none runs (the CPU, or CUDA where it does not take the
+    step), the recurrence is mlx-lm's ops, exactly."""
     if gated_delta_kernel.available():
-        gated_delta_kernel.set_enabled(False)
-    try:
+        # A head dim the kernel does not take (48: not a multiple of 32).
+        inputs = _inputs(2, 3, 2, 4, 48, mx.float32)
+        assert not gated_delta_kernel.takes(inputs[0], inputs[2], inputs[-1], (1, 2))
+    else:
         inputs = _inputs(2, 3, 2, 4, 64, mx.float32)
-        asked = _run(inputs, (1, 2), use_kernel=True)
-        ops = _run(inputs, (1, 2), use_kernel=False)
-    finally:
-        gated_delta_kernel.set_enabled(None)
+    asked = _run(inputs, (1, 2), use_kernel=True)
+    ops = _run(inputs, (1, 2), use_kernel=False)
     for got, expected in zip(
         [asked[0], asked[1], *asked[2]], [ops[0], ops[1], *ops[2]], strict=True
     ):
@@ -135,9 +138,9 @@ def test_a_position_is_computed_alike_at_every_length() -> None:
 @on_cuda
 def test_greedy_decoding_identical_with_the_kernel(model_dir, tokenizer, tmp_path) -> None:
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS[:2]]
-    assert_greedy_identical_with(gated_delta_kernel.set_enabled, model_dir, prompts)
+    assert_greedy_identical_with("recurrence_kernel", model_dir, prompts)
     q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
-    assert_greedy_identical_with(gated_delta_kernel.set_enabled, q4, prompts)
+    assert_greedy_identical_with("recurrence_kernel", q4, prompts)
 
 
 @on_cuda
@@ -146,7 +149,7 @@ def test_moe_greedy_decoding_identical_with_the_kernel(tmp_path) -> None:
 
     moe = make_checkpoint(tmp_path / "moe", moe=True, mtp_experts="fused")
     assert_greedy_identical_with(
-        gated_delta_kernel.set_enabled,
+        "recurrence_kernel",
         moe,
         [[5, 17, 300, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]],
         trained_mtp=False,

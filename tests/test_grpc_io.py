@@ -1,4 +1,5 @@
-"""`cluster.transport.grpc_io`: every cluster process picks gRPC's older I/O path unless told otherwise."""
+"""`cluster.transport.grpc_io`: every cluster process picks gRPC's older I/O path unless told
+otherwise."""
 
 from __future__ import annotations
 

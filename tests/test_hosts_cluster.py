@@ -49,7 +49,7 @@ def cluster(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
-def write_cluster_file(path: Path, lab: hostlab.HostLab, nodes: list[dict[str, str]]) -> Path:
+def write_cluster_file(path: Path, lab: hostlab.HostLab, nodes: list[dict[str, str | int]]) -> Path:
     lines = [
         f'model = "{MODEL}"',
         f"port = {free_port()}",
@@ -58,7 +58,10 @@ def write_cluster_file(path: Path, lab: hostlab.HostLab, nodes: list[dict[str, s
     ]
     for node in nodes:
         lines.append("[[node]]")
-        lines += [f'{key} = "{value}"' for key, value in node.items()]
+        lines += [
+            f"{key} = {value}" if isinstance(value, int) else f'{key} = "{value}"'
+            for key, value in node.items()
+        ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -196,6 +199,20 @@ def status_json(up: Up) -> dict:
     return json.loads(result.stdout)
 
 
+def measured_status(up: Up, deadline_s: float = 30.0) -> dict:
+    """The status once no node says its hop is being measured (`hop_state`): a status read
+    while shards load shows no hop yet, which is not the hop chosen."""
+    return wait_until(
+        lambda: (
+            (status := status_json(up))["nodes"]
+            and all(n["hop_state"] != "measuring" for n in status["nodes"])
+            and status
+        ),
+        "every hop measured",
+        deadline_s,
+    )
+
+
 def host_of(lab: Lab, address: str) -> int:
     """Which lab host a node's host:port is on."""
     ip = address.rsplit(":", 1)[0]
@@ -224,7 +241,7 @@ def test_every_hop_takes_the_fast_network(lab: Lab):
     measured both of its successor's networks and streams over the fast one. The slow
     address's pings took longer: the two are pinged in turn, so a busy machine slows both
     alike, where a bound in ms on the fast one's round trip fails under load."""
-    nodes = status_json(lab.up)["nodes"]
+    nodes = measured_status(lab.up)["nodes"]
     slow = {h.slow_address for h in lab.lab.hosts}
     assert {n["address"].rsplit(":", 1)[0] for n in nodes} == slow
     for node, successor in itertools.pairwise(nodes):
@@ -237,8 +254,13 @@ def test_every_hop_takes_the_fast_network(lab: Lab):
         assert tried[hop["address"]] == hop["rtt_ms"], node
         assert tried[successor["address"]] > hop["rtt_ms"], node
     assert nodes[-1]["hop"] is None
+    assert [n["hop_state"] for n in nodes] == ["measured", "measured", ""]
     table = cluster("status", "--url", lab.up.url).stdout
-    assert table.count(" ms)") == 2 and "-> " in table, table
+    assert table.count(" ms)") == 2 and "-> " in table and "measuring" not in table, table
+    # The lab's hosts are Linux: no node holds anything awake, and the status says why.
+    assert not any(n["keeps_awake"] for n in nodes)
+    assert all(n["keep_awake_note"].startswith("not macOS") for n in nodes), nodes
+    assert "keeping their Mac awake: none; not: " in table, table
 
 
 def test_a_restarted_coordinator_adopts_the_loaded_nodes(lab: Lab):
@@ -275,12 +297,46 @@ def test_an_address_in_the_cluster_file_wins_over_measuring(lab: Lab):
     pinned = write_cluster_file(lab.cluster_file.with_name("pinned.toml"), lab.lab, nodes)
     lab.up.stop()
     lab.up = start_up(pinned, lab.up.log.with_name("up-pinned.log"))
-    statuses = status_json(lab.up)["nodes"]
+    statuses = measured_status(lab.up)["nodes"]
     assert host_of(lab, statuses[-1]["address"]) == tail
     hops = [n["hop"] for n in statuses]
+    assert [n["hop_state"] for n in statuses] == ["measured", "given", ""]
     assert hops[0]["measured"] and not hops[1]["measured"]
     assert hops[1]["address"].startswith(lab.lab.hosts[tail].slow_address + ":")
     assert complete(lab.up) == lab.reference["text"]
+
+
+def test_ip_address_targets_without_names_bring_up_three_hosts(lab: Lab, tmp_path: Path):
+    """`ssh = "root@ADDRESS"` and no `name`, as people write cluster files: each node is named
+    by its whole address (its node id, its service and its state directory on the host), on
+    a port beside the lab's own nodes, and serves the single process's tokens."""
+    port = free_port()
+    nodes: list[dict[str, str | int]] = [
+        {"ssh": f"root@{h.slow_address}", "port": port, "cluster": str(lab.command),
+         "service": "process"}
+        for h in lab.lab.hosts
+    ]  # fmt: skip
+    cluster_file = write_cluster_file(tmp_path / "by-address.toml", lab.lab, nodes)
+    names = [h.slow_address for h in lab.lab.hosts]
+    assert [n.name for n in load_cluster_file(cluster_file).nodes] == names
+    # The hosts' default state directories: root's, over ssh (no XDG_STATE_HOME there).
+    states = [Path("~root/.local/state/qwencluster").expanduser() / name for name in names]
+    try:
+        up = start_up(cluster_file, tmp_path / "up-by-address.log")
+        try:
+            text = up.log.read_text()
+            for name in names:
+                assert f"{name} (root@{name}) at {name}:{port}: started [process]" in text, text
+            assert sorted(n["node_id"] for n in status_json(up)["nodes"]) == sorted(names)
+            assert all(state.is_dir() for state in states)
+            assert complete(up) == lab.reference["text"]
+        finally:
+            up.stop()
+    finally:
+        down = cluster("down", "--hosts", str(cluster_file))
+    assert down.returncode == 0 and down.stdout.count(": removed") == 3, down
+    assert not any(state.exists() for state in states)
+    assert processes_mentioning(f"--port {port} ") == []
 
 
 def test_bad_hosts_are_each_named_and_nothing_is_started(lab: Lab, tmp_path: Path):

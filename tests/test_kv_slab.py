@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from conftest import CODE_PROMPTS
 
-from cluster.model.cache import RequestCache, Verdicts
+from cluster.model.cache import PendingVerdicts, RequestCache
 from cluster.model.kv_slab import ALLOCATION_STEP, KVSlab, SlabRowCache, visible
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
@@ -96,7 +96,7 @@ def test_each_row_sees_its_own_positions_and_not_the_hole_of_its_rejected_drafts
     assert mask[0, 0].tolist() == [[True, True, False, False, False], [True] * 3 + [False] * 2]
     assert mask[1, 0].tolist() == [[True] * 4 + [False], [True] * 5]
     # Row 0 held 3 positions, of which its verdict drops the last 2; row 1 drops nothing.
-    verdicts = Verdicts([mx.array(0, mx.uint32), mx.array(1, mx.uint32)], [2, 1])
+    verdicts = PendingVerdicts([mx.array(0, mx.uint32), mx.array(1, mx.uint32)], [2, 1])
     held = verdicts.visible((0, 1), (3, 3), (3, 3), 1)
     assert held[0, 0].tolist() == [[True, False, False, True]]
     assert held[1, 0].tolist() == [[True] * 4]

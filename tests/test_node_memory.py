@@ -20,13 +20,9 @@ import pytest
 from conftest import run
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
 from cluster.messages import StepRequest
-from cluster.transport.node_client import (
-    NodeClient,
-    NodeRequestError,
-    RemotePipeline,
-    load_pipeline,
-)
+from cluster.transport.node_client import NodeClient, NodeRequestError
 from node.server import MIN_MLX_CACHE_BYTES
 from tests.daemons import LISTENING, Daemon
 
@@ -82,7 +78,7 @@ def test_node_memory_is_reported_bounded_and_freed(node, model_dir, tokenizer) -
     prompt = tuple(tokenizer.encode("def merge_sort(items):\n"))
 
     async def go():
-        first = await load_pipeline(model_dir, [address], token=TOKEN, epoch=7)
+        first = await load_pipeline(model_dir, [address], PipelineSettings(TOKEN), epoch=7)
         info = await _info(address)
         assert info.epoch == 7
         assert info.mlx_active_bytes > 0 and info.mlx_peak_bytes >= info.mlx_active_bytes
@@ -111,7 +107,7 @@ def test_node_memory_is_reported_bounded_and_freed(node, model_dir, tokenizer) -
         assert freed.mlx_active_bytes <= baseline + 1 * MiB, (baseline, freed.mlx_active_bytes)
 
         # The next driver (a restarted coordinator) is served, with its own epoch.
-        second = await load_pipeline(model_dir, [address], token=TOKEN, epoch=8)
+        second = await load_pipeline(model_dir, [address], PipelineSettings(TOKEN), epoch=8)
         try:
             again = await GenerationEngine(second).generate(GenerationRequest(prompt, 16))
             assert again.tokens == expected
@@ -130,7 +126,8 @@ def test_node_memory_is_reported_bounded_and_freed(node, model_dir, tokenizer) -
                 # stages' weights must not stay alive with it.
                 loaded = (await _info(address)).mlx_active_bytes
                 for epoch in (9, 10):
-                    reloaded = await load_pipeline(model_dir, [address], token=TOKEN, epoch=epoch)
+                    settings = PipelineSettings(TOKEN)
+                    reloaded = await load_pipeline(model_dir, [address], settings, epoch=epoch)
                     await reloaded.close()
                 after = await _info(address)
                 assert after.epoch == 10
@@ -140,7 +137,7 @@ def test_node_memory_is_reported_bounded_and_freed(node, model_dir, tokenizer) -
         finally:
             await second.close()
         # Still serving after all of it.
-        final = await load_pipeline(model_dir, [address], token=TOKEN, epoch=11)
+        final = await load_pipeline(model_dir, [address], PipelineSettings(TOKEN), epoch=11)
         try:
             assert (
                 await GenerationEngine(final).generate(GenerationRequest(prompt, 16))

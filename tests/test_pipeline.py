@@ -3,7 +3,7 @@
 One trio of `cluster node` processes serves the whole module; each test loads the layout it
 needs with LoadShard. The reference is the engine of `cluster.decode.local_engine` in this process
 (conftest's `greedy_reference`). The nodes build their plain decode steps ahead
-(`--build-ahead on`: on the CPU, on a `HostDoorbell`), as they do on CUDA by default.
+(`--build-ahead on`: on the CPU, on a `HostLateInput`), as they do on CUDA by default.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 from typing import cast
 
 from cluster.decode.pipeline import take_batch
+from cluster.decode.remote_pipeline import RemotePipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import StepRequest
 from cluster.model.shard import ShardSpec
-from cluster.transport.node_client import RemotePipeline
-from node.stage import Stage, Subscribers
+from node.stage import Stage, Subscribers, Successor
 from proto import cluster_pb2 as pb
 
 
@@ -55,8 +55,7 @@ def _stage(is_head: bool, live: str, micro_batches: int) -> Stage:
         cast(ShardRunner, runner),
         MLXWorker(),
         Subscribers(),
-        next_node="127.0.0.1:9",
-        token="t",
+        successor=Successor("127.0.0.1:9", "t"),
         micro_batches=micro_batches,
     )
     stage._task.cancel()  # the test takes batches itself

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from cluster.commands.plan import plan_command
 from cluster.config import bundled_model_path
 from cluster.model.footprint import ModelFootprint
 from cluster.placement import (
@@ -19,7 +20,6 @@ from cluster.placement import (
     PlacementPlan,
     plan_placement,
 )
-from coordinator.plan_cli import plan
 
 MB = 1_000_000
 GIB = 1 << 30
@@ -340,7 +340,8 @@ def test_bundled_model_on_two_small_nodes() -> None:
 
 
 def test_cli_plan_prints_table_and_reasons() -> None:
-    result = CliRunner().invoke(plan, ["--node", "a=1", "--node", "b=1@200", "--context", "512"])
+    args = ["--node", "a=1", "--node", "b=1@200", "--context", "512"]
+    result = CliRunner().invoke(plan_command, args)
     assert result.exit_code == 0, result.output
     assert "[0, 8)" in result.output
     assert "one node is enough: b" in result.output
@@ -348,21 +349,21 @@ def test_cli_plan_prints_table_and_reasons() -> None:
 
 def test_cli_plan_layers_and_all_nodes() -> None:
     args = ["--node", "a=1", "--node", "b=1", "--layers", "0:3,3:8", "--context", "512"]
-    result = CliRunner().invoke(plan, args)
+    result = CliRunner().invoke(plan_command, args)
     assert result.exit_code == 0, result.output
     assert "[0, 3)" in result.output and "[3, 8)" in result.output
-    result = CliRunner().invoke(plan, ["--node", "a=1", "--node", "b=1", "--all-nodes"])
+    result = CliRunner().invoke(plan_command, ["--node", "a=1", "--node", "b=1", "--all-nodes"])
     assert result.exit_code == 0, result.output
     assert "all 2 nodes used" in result.output
 
 
 def test_cli_plan_refusal_exits_1() -> None:
-    result = CliRunner().invoke(plan, ["--node", "a=0.001", "--context", "512"])
+    result = CliRunner().invoke(plan_command, ["--node", "a=0.001", "--context", "512"])
     assert result.exit_code == 1
     assert "does not fit" in result.output
 
 
 def test_cli_plan_rejects_bad_specs() -> None:
-    assert CliRunner().invoke(plan, ["--node", "a"]).exit_code == 2
-    assert CliRunner().invoke(plan, ["--node", "a=1", "--layers", "0-8"]).exit_code == 2
-    assert CliRunner().invoke(plan, []).exit_code == 2
+    assert CliRunner().invoke(plan_command, ["--node", "a"]).exit_code == 2
+    assert CliRunner().invoke(plan_command, ["--node", "a=1", "--layers", "0-8"]).exit_code == 2
+    assert CliRunner().invoke(plan_command, []).exit_code == 2

@@ -24,12 +24,14 @@ from nodes import NodeGroup, node_infos
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.decode.prefix_index import PrefixEntry, PrefixIndex
+from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
 from cluster.messages import RequestError, RequestOptions, StepRequest
-from cluster.transport.node_client import NodeClient, RemotePipeline, load_pipeline
+from cluster.transport.node_client import NodeClient
 from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.discovery import NodeDirectory
 from coordinator.service import Coordinator
+from coordinator.settings import CoordinatorSettings
 
 node_factory = nodes.node_factory  # the fixture, for this module
 
@@ -66,7 +68,7 @@ async def _settled(condition, what: str, deadline_s: float = 10.0) -> None:
 
 
 async def _cached_pipeline(model_dir: Path, trio: NodeGroup, **load: int) -> RemotePipeline:
-    return await load_pipeline(model_dir, trio.addresses, token=trio.token, **load)
+    return await load_pipeline(model_dir, trio.addresses, PipelineSettings(trio.token, **load))
 
 
 # ---- on three node daemons ------------------------------------------------------------------
@@ -213,11 +215,8 @@ def test_evicted_prefixes_are_dropped_on_every_node(trio, model_dir, tokenizer, 
 def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
     async def scenario() -> None:
         coordinator = Coordinator(
-            model_dir,
+            CoordinatorSettings(model_dir, trio.token, use_all=True, serve_weights=False),
             NodeDirectory(trio.addresses, browse=False),
-            token=trio.token,
-            use_all=True,
-            serve_weights=False,
         )
         await coordinator.start(wait_for_nodes_s=20)
         app = create_app(

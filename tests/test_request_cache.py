@@ -9,8 +9,8 @@ import numpy as np
 
 from cluster.model.cache import (
     BatchRow,
+    PendingVerdicts,
     RequestCache,
-    Verdicts,
     batch_rows,
     defer_verdicts,
     own,
@@ -114,7 +114,7 @@ def test_a_deferred_verdict_selects_the_states_and_masks_the_rejected_draft() ->
     held = 6
     caches = [_stepped(0, held), _stepped(1, held)]
     expected = [caches[0].snapshots[0][1], (caches[1].layers[0][0], caches[1].layers[0][1])]
-    verdicts = Verdicts([mx.array(0, mx.uint32), mx.array(1, mx.uint32)], [1, 1])
+    verdicts = PendingVerdicts([mx.array(0, mx.uint32), mx.array(1, mx.uint32)], [1, 1])
     defer_verdicts(caches, verdicts, [0, 1])
     for cache, (conv, state) in zip(caches, expected, strict=True):
         assert mx.array_equal(own(cache.layers[0][0]), own(conv))
@@ -131,7 +131,7 @@ def test_resolve_moves_the_next_steps_keys_over_the_hole() -> None:
     held = 6
     cache = _stepped(2, held)
     before = cache.layers[1].keys[..., :held, :]
-    defer_verdicts([cache], Verdicts([mx.array(0, mx.uint32)], [1]), [0])
+    defer_verdicts([cache], PendingVerdicts([mx.array(0, mx.uint32)], [1]), [0])
     cache.begin_step(0, 2)  # the step built ahead writes its keys at slots 6, 7
     new = mx.random.normal((1, HEADS, 2, DIM), key=mx.random.key(9))
     cache.layers[1].update_and_fetch(new, new * 2)
@@ -148,7 +148,7 @@ def test_an_undone_deferral_restores_every_state() -> None:
     cache = _stepped(3, held)
     mark = cache.mark()
     gdn = (cache.layers[0][0], cache.layers[0][1])
-    defer_verdicts([cache], Verdicts([mx.array(0, mx.uint32)], [1]), [0])
+    defer_verdicts([cache], PendingVerdicts([mx.array(0, mx.uint32)], [1]), [0])
     cache.begin_step(0, 2)
     cache.restore(mark)
     assert cache.deferred is None and cache.position == held and cache.last_step_len == 2

@@ -1,5 +1,5 @@
-"""The step stream between nodes over plain TCP (`cluster.transport.step_link`), and a driver's results
-stream on the same port (`cluster.transport.results_link`).
+"""The step stream between nodes over plain TCP (`cluster.transport.step_link`), and a driver's
+results stream on the same port (`cluster.transport.results_link`).
 
 In one process: steps and results arrive whole and in order; a wrong token, a malformed
 message and an oversized frame each end the stream, and the other end then sees it ended (a
@@ -26,9 +26,10 @@ import pytest
 from conftest import run
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.remote_pipeline import PipelineSettings, load_pipeline
 from cluster.messages import RequestOptions, StepRequest, StepResult
 from cluster.transport import step_records, wire
-from cluster.transport.node_client import NodeClient, NodeUnavailable, load_pipeline
+from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.transport.results_link import ResultsLink
 from cluster.transport.step_link import (
     ACCEPTED,
@@ -494,7 +495,9 @@ def test_a_driver_streams_steps_and_results_over_tcp_with_the_grpc_tokens(
     async def go() -> None:
         tokens = {}
         for links in (True, False):
-            pipeline = await load_pipeline(model_dir, solo.addresses, token=solo.token, links=links)
+            pipeline = await load_pipeline(
+                model_dir, solo.addresses, PipelineSettings(solo.token, links=links)
+            )
             try:
                 expected = "tcp" if links else "grpc"
                 assert pipeline.transports == {"steps": expected, "results": [expected]}
@@ -524,7 +527,7 @@ def test_a_driver_whose_results_stream_is_refused_listens_over_grpc(
     prompt = tuple(tokenizer.encode("def add(a, b):"))
 
     async def go() -> None:
-        pipeline = await load_pipeline(model_dir, solo.addresses, token=solo.token)
+        pipeline = await load_pipeline(model_dir, solo.addresses, PipelineSettings(solo.token))
         try:
             assert pipeline.transports == {"steps": "tcp", "results": ["grpc"]}
             output = await GenerationEngine(pipeline).generate(GenerationRequest(prompt, 6))
@@ -542,7 +545,7 @@ def test_a_node_that_dies_under_tcp_streams_fails_its_requests_with_its_name(
     prompt = tuple(tokenizer.encode("def add(a, b):"))
 
     async def go() -> None:
-        pipeline = await load_pipeline(model_dir, [victim.address], token=nodes.TOKEN)
+        pipeline = await load_pipeline(model_dir, [victim.address], PipelineSettings(nodes.TOKEN))
         try:
             assert pipeline.transports == {"steps": "tcp", "results": ["tcp"]}
             engine = GenerationEngine(pipeline)

@@ -1,6 +1,6 @@
-"""`cluster.transport.step_records`: plain decode steps as records, the step stream's short form. A batch
-comes back as the same steps and bit-exact hidden states; a step that needs more than records
-hold is left to the `StepBatch` (None); a frame that is not whole records is refused."""
+"""`cluster.transport.step_records`: plain decode steps as records, the step stream's short form.
+A batch comes back as the same steps and bit-exact hidden states; a step that needs more than
+records hold is left to the `StepBatch` (None); a frame that is not whole records is refused."""
 
 from __future__ import annotations
 

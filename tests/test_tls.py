@@ -11,13 +11,9 @@ from conftest import CODE_PROMPTS, run
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
+from cluster.decode.remote_pipeline import PipelineSettings, load_pipeline, open_remote_engine
 from cluster.transport.auth import TLSConfig
-from cluster.transport.node_client import (
-    NodeClient,
-    NodeUnavailable,
-    load_pipeline,
-    open_remote_engine,
-)
+from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.weights.service import WeightsService, serve_weights
 from tests import nodes
 
@@ -46,7 +42,9 @@ def test_generation_over_tls_matches_and_plain_clients_are_refused(
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
 
     async def remote() -> tuple[int, ...]:
-        engine = await open_remote_engine(model_dir, group.addresses, token=group.token, tls=tls)
+        engine = await open_remote_engine(
+            model_dir, group.addresses, PipelineSettings(group.token, tls=tls)
+        )
         try:
             return (await engine.engine.generate(GenerationRequest(prompt, 24))).tokens
         finally:
@@ -109,15 +107,14 @@ def test_a_node_without_the_model_fetches_it_over_tls(
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[0]))
 
     async def go() -> tuple[tuple[int, ...], tuple[int, ...]]:
-        pipeline = await load_pipeline(
-            model_dir,
-            group.addresses,
-            token=group.token,
+        settings = PipelineSettings(
+            group.token,
             tls=TLSConfig.from_files(certificate[0]),
             node_model_dir="/nonexistent/qwen3_5-tiny-mtp",
             model_digest=service.manifest.digest,
             weights_port=port,
         )
+        pipeline = await load_pipeline(model_dir, group.addresses, settings)
         local = await open_local_engine(model_dir)
         try:
             # No plain TCP under TLS: the driver's steps and results stay on the encrypted streams.

@@ -28,29 +28,31 @@ from click.testing import CliRunner
 from conftest import CODE_PROMPTS, greedy_tokens, run
 from nodes import NodeGroup, node_infos
 
+from cluster.commands.models import models_command
+from cluster.commands.status import status_command
 from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.remote_pipeline import PipelineSettings, load_pipeline
 from cluster.messages import RequestOptions
 from cluster.model.loading import shard_tensor_names
 from cluster.model.shard import ShardSpec, even_ranges, shard_specs
 from cluster.transport.auth import token_metadata
-from cluster.transport.node_client import NodeClient, NodeUnavailable, load_pipeline
+from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.weights import bulk
 from cluster.weights.fetch import CRASH_AFTER_ENV, ShardFetcher
-from cluster.weights.listing import models_command
 from cluster.weights.manifest import build_manifest, manifest_for, read_safetensors_header
 from cluster.weights.service import (
     FETCH_METHOD,
-    Transfers,
     WeightsService,
     decode_chunk,
     encode_chunk,
     serve_weights,
 )
+from cluster.weights.source import Transfers
 from cluster.weights.store import WeightsStore
-from coordinator.cli import status_command
 from coordinator.discovery import NodeDirectory
 from coordinator.progress import ProgressBars, transfer_fraction
 from coordinator.service import Coordinator
+from coordinator.settings import CoordinatorSettings
 from proto import cluster_pb2 as pb
 
 node_factory = nodes.node_factory
@@ -134,15 +136,14 @@ def shard_bytes(model_dir: Path, spec: ShardSpec) -> int:
 
 
 async def _generate(source: Source, addresses, requests, *, ranges=None, node_dir=MISSING_DIR):
-    pipeline = await load_pipeline(
-        source.model_dir,
-        addresses,
-        token=nodes.TOKEN,
+    settings = PipelineSettings(
+        nodes.TOKEN,
         ranges=ranges,
         node_model_dir=node_dir,
         model_digest=source.digest,
         weights_port=source.port,
     )
+    pipeline = await load_pipeline(source.model_dir, addresses, settings)
     try:
         engine = GenerationEngine(pipeline)
         return [(await engine.generate(r)).tokens for r in requests]
@@ -483,11 +484,10 @@ def test_after_a_node_dies_the_survivor_fetches_what_it_now_needs(
 
     async def go():
         coordinator = Coordinator(
-            source.model_dir,
+            CoordinatorSettings(
+                source.model_dir, nodes.TOKEN, use_all=True, node_model_dir=MISSING_DIR
+            ),
             NodeDirectory(pair.addresses, browse=False),
-            token=nodes.TOKEN,
-            use_all=True,
-            node_model_dir=MISSING_DIR,
         )
         progress = asyncio.create_task(asyncio.sleep(0))
         try:

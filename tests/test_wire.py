@@ -1,4 +1,5 @@
-"""Round trips through cluster.transport.wire: every message, every tensor dtype, defaults and errors."""
+"""Round trips through `cluster.transport.wire`: every message, every tensor dtype, defaults and
+errors."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_only_a_gpu_spins_by_default_and_a_negative_window_is_refused() -> None:
 def test_a_node_refuses_a_negative_spin_window() -> None:
     from click.testing import CliRunner
 
-    from node.server import node_command
+    from cluster.commands.node import node_command
 
     result = CliRunner().invoke(node_command, ["--token", "secret", "--spin-ms", "-1"])
     assert result.exit_code == 2 and "--spin-ms must be >= 0" in result.output

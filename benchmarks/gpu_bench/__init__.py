@@ -15,8 +15,8 @@
    real cost: MTP head, 2-token step, snapshots, rollbacks); then mlx-lm's `stream_generate` on
    the same directory.
 3. 2 and 3 local node processes on the same device (`python -m benchmarks.oracle_node`),
-   driven through `cluster.transport.node_client.open_remote_engine`: decode tokens/s with MTP off and on, as
-   ratios to the single-process engine of the same run.
+   driven through `cluster.decode.remote_pipeline.open_remote_engine`: decode tokens/s with MTP
+   off and on, as ratios to the single-process engine of the same run.
 4. mlx-lm's own pipeline (`model.model.pipeline(group)`) under `mlx.launch --backend ring` with
    2 ranks on 127.0.0.1; if it fails as is, the exact error is recorded and it runs again with
    its send/recv/all_gather on the CPU stream (the ring backend's own implementation).

@@ -40,13 +40,13 @@ async def _step_shapes(
         backbones.append(("backbone_few_row_recurrence_kernel_ms", False, True, True))
     for key, pad, few_row, recurrence in backbones:
         pad_from = row_padding.PAD_FROM if pad else 0
-        await worker.run(set_variant, None, None, pad_from, few_row, recurrence)
+        await worker.run(set_variant, shard, None, None, pad_from, few_row, recurrence)
         diag[key] = await worker.run(backbone_shapes, shard, prompt, 30, 5)
         primitives = diag[key.replace("_ms", "_primitives")] = await worker.run(
             graph_primitives, shard, prompt
         )
         print(f"  {key} {json.dumps(diag[key])}; primitives {json.dumps(primitives)}", flush=True)
-    await worker.run(set_variant, None, None, None, None)
+    await worker.run(set_variant, shard, None, None, None, None)
     del shard
     await worker.run(free_memory)
 

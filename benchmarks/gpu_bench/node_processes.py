@@ -21,7 +21,7 @@ from benchmarks.gpu_bench.one_process import (
     warm_up,
 )
 
-REPO = Path(__file__).resolve().parents[3]  # where the node and rank processes start
+REPO = Path(__file__).resolve().parents[2]  # the checkout: where node and rank processes start
 
 
 @contextlib.asynccontextmanager
@@ -80,11 +80,11 @@ async def node_pipeline(
     args, path: Path, nodes: int, prompt: tuple[int, ...], log: list[str]
 ) -> dict:
     """`nodes` oracle node processes on loopback, driven as `cluster generate --nodes` does."""
-    from cluster.transport.node_client import open_remote_engine
+    from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
 
     async with node_processes(args, nodes, log) as (addresses, token):
         t0 = time.perf_counter()
-        remote = await open_remote_engine(path, addresses, token=token)
+        remote = await open_remote_engine(path, addresses, PipelineSettings(token))
         row: dict[str, Any] = {"nodes": nodes, "load_s": time.perf_counter() - t0}
         try:
             await warm_up(remote.engine, prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,9 @@ from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import MtpDepth, RequestOptions
-from cluster.model import compiled, few_row_matmul, gated_delta_kernel, row_padding
+from cluster.model import row_padding
 from cluster.model.cache import RequestCache
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.layers import Segment
 from cluster.model.loading import load_shard
 from cluster.model.shard import ModelShard
@@ -141,21 +143,30 @@ DEFAULT_VARIANTS = ("defaults",)
 
 
 def set_variant(
+    shard,
     compile_on: bool | None,
     layers_on: bool | None,
     pad_from: int | None,
     few_row: bool | None,
     recurrence_kernel: bool | None = None,
 ) -> None:
-    """A variant's switches; None leaves (or puts back) a switch at the backend's default."""
-    compiled.set_enabled(compile_on)
-    compiled.set_layers_enabled(layers_on)
-    few_row_matmul.set_enabled(few_row)
-    gated_delta_kernel.set_enabled(recurrence_kernel)
-    if pad_from is None:
-        row_padding.set_enabled(None)
-    else:
-        row_padding.set_enabled(pad_from > 0, from_rows=max(pad_from, 1))
+    """`shard` steps with a variant's fast path (`ModelShard.use_fast_path`): None leaves a
+    part at the backend's default (whole compiled layers: as `compile_on`), `pad_from` 0: no
+    padding; all None puts the default back."""
+    default = DecodeFastPath.for_device()
+    compile_on = default.compiled_steps if compile_on is None else compile_on
+    shard.use_fast_path(
+        DecodeFastPath(
+            compiled_steps=compile_on,
+            compiled_layers=compile_on if layers_on is None else layers_on,
+            compiled_batches=compile_on,
+            pad_rows_from=default.pad_rows_from if pad_from is None else (pad_from or None),
+            few_row_kernel=default.few_row_kernel if few_row is None else few_row,
+            recurrence_kernel=(
+                default.recurrence_kernel if recurrence_kernel is None else recurrence_kernel
+            ),
+        )
+    )
 
 
 async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict) -> None:
@@ -184,7 +195,7 @@ async def single_process(args, path: Path, prompt: tuple[int, ...], report: dict
             if "bandwidth" not in single:
                 bw_bytes = 1 << 30 if args.shape == "qwen3_5_27b" else 64 << 20
                 single["bandwidth"] = await worker.run(copy_bandwidth, bw_bytes)
-        await worker.run(set_variant, compile_on, layers_on, pad_from, few_row, recurrence)
+        await worker.run(set_variant, shard, compile_on, layers_on, pad_from, few_row, recurrence)
         runner = ShardRunner(shard)
         row: dict[str, Any] = {}
         row["steps"] = await worker.run(
@@ -247,7 +258,7 @@ async def interleaved_variants(args, path: Path, prompt: tuple[int, ...], report
     `--interleave` rounds on one loaded shard, their order reversed every other round: each
     round measures the backbone at 1 and 2 positions, `ShardRunner.run`'s plain and verify
     steps, and the engine's MTP off and on (alpha 0.7, `--tokens` each). The host's speed
-    drifts by a quarter within minutes (BENCHMARKS.md, run V), which a variant measured after
+    drifts by a quarter within minutes (BENCHMARKS.md), which a variant measured after
     another takes for its own; so the figures to read are each round's ratio to the first
     variant, medians over the rounds."""
     chosen = [next(v for v in VARIANTS if v[0] == name) for name in args.variants]
@@ -260,12 +271,12 @@ async def interleaved_variants(args, path: Path, prompt: tuple[int, ...], report
     rows: dict[str, list[dict[str, float]]] = {v[0]: [] for v in chosen}
     report["interleaved"] = {"rounds": rows}
     for _, _, *switches in chosen:  # each variant's traces and kernels built, untimed
-        await worker.run(set_variant, *switches)
+        await worker.run(set_variant, shard, *switches)
         await warm_up(engine, prompt)
         await worker.run(breakdown, shard, prompt, 2, 1)
     for r in range(args.interleave):
         for name, _, *switches in chosen if r % 2 == 0 else chosen[::-1]:
-            await worker.run(set_variant, *switches)
+            await worker.run(set_variant, shard, *switches)
             parts = await worker.run(breakdown, shard, prompt, args.step_iters // 2, 3)
             steps = await worker.run(
                 step_times, ShardRunner(shard), prompt, args.step_iters, 3, 0.7
@@ -300,8 +311,8 @@ async def interleaved_variants(args, path: Path, prompt: tuple[int, ...], report
             [run["verify_ms"] / run["plain_ms"] for run in runs]
         )
     report["interleaved"]["summary"] = summary
+    await worker.run(set_variant, shard, None, None, None, None)
     del engine, shard
-    await worker.run(set_variant, None, None, None, None)
     await worker.run(free_memory)
     worker.close()
 
@@ -315,13 +326,16 @@ async def _batch_at_alpha(
     batch_compiled: bool,
 ) -> dict:
     """`concurrent_decode` with the oracle accepting at 0.7 and the batch path chosen."""
-    await worker.run(compiled.set_batches_enabled, batch_compiled)
+    (runner,) = engine.pipeline.runners
+    default = runner.shard.fast_path
+    chosen = dataclasses.replace(default, compiled_batches=batch_compiled)
+    await worker.run(runner.shard.use_fast_path, chosen)
     previous = install_oracle(0.7, seed=3)
     try:
         return await concurrent_decode(engine, prompt, tokens, requests)
     finally:
         remove_oracle(previous)
-        await worker.run(compiled.set_batches_enabled, None)
+        await worker.run(runner.shard.use_fast_path, default)
 
 
 async def _one_process_batches(
@@ -330,7 +344,7 @@ async def _one_process_batches(
     """`--concurrent` requests at once in one process, with the batch's recurrence compiled
     per batch shape (the CUDA default) and as plain ops, alternated so that neither gains from
     going second. The first batch of each shape pays one-time costs (kernels built, buffers
-    allocated: 45 tok/s against 140-193 warm in BENCHMARKS.md, issue 10), so each path first
+    allocated: 45 tok/s against 140-193 warm in BENCHMARKS.md), so each path first
     decodes a short batch whose figure is kept apart as `first_batch`."""
     keys = {True: "concurrent_compiled", False: "concurrent"}
     first = {

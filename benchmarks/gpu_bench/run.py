@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from benchmarks import gpu_bench
 from benchmarks.common import bench_parser, machine, write_json
 from benchmarks.gpu_bench.diagnosis import diagnose
 from benchmarks.gpu_bench.mlx_ring import mlx_pipeline, pipeline_worker
@@ -32,7 +33,6 @@ from benchmarks.gpu_bench.step_timing import free_memory
 from benchmarks.gpu_bench.summary import summarize
 from benchmarks.oracle_node import add_node_options
 from benchmarks.random_checkpoint import SHAPES, bench_prompt, default_dir, write_checkpoint
-from benchmarks import gpu_bench
 from cluster.config import load_model_config
 from cluster.decode.worker import MLXWorker
 from cluster.messages import parse_mtp_depth

@@ -48,11 +48,11 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
     processes (node i on GPU i % --gpus), all loaded at once and measured in turn, round after
     round: each ratio comes from runs seconds apart and the figure is the median of a ratio's
     rounds. On a host whose speed drifts between phases (the same engine measured 45.9 and
-    37.1 tok/s minutes apart, BENCHMARKS.md run U), ratios of figures taken in separate phases
+    37.1 tok/s minutes apart, BENCHMARKS.md), ratios of figures taken in separate phases
     are noise; these are not. Then `--concurrent` requests at once in one process and over the
     nodes, with the head's micro-batches and with one batch (`micro_batches=1`), alternated.
     Everything runs at the per-backend defaults (what `cluster` runs)."""
-    from cluster.transport.node_client import open_remote_engine
+    from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
 
     out: dict[str, Any] = {"nodes": args.paired_nodes, "rounds": []}
     report["paired"] = out
@@ -86,7 +86,7 @@ async def paired(args, path: Path, prompt: tuple[int, ...], report: dict, log: l
                 try:
                     for (opts, streams), (addresses, token) in zip(settings, started, strict=True):
                         remote = await open_remote_engine(
-                            path, addresses, token=token, links=streams == "tcp"
+                            path, addresses, PipelineSettings(token, links=streams == "tcp")
                         )
                         remotes[_set_name(opts, streams, args.driver_streams)] = remote
                         await warm_up(remote.engine, prompt)
@@ -290,7 +290,7 @@ async def _paired_concurrency(
     micro-batch per node (the default) and with a single batch, alternated twice. The nodes
     reload their shards for each setting (LoadShardRequest.micro_batches), so each timed
     batch follows a short untimed one (traces and kernels of the new shard)."""
-    from cluster.transport.node_client import open_remote_engine
+    from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
 
     out: dict[str, Any] = {"requests": args.concurrent}
     with _oracle(0.7):
@@ -325,7 +325,7 @@ async def _paired_concurrency(
     loads: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
     for name in [*settings, *settings]:
         remote = await open_remote_engine(
-            path, addresses, token=token, micro_batches=settings[name]
+            path, addresses, PipelineSettings(token, micro_batches=settings[name])
         )
         try:
             await concurrent_decode(remote.engine, prompt, warm_tokens(args), args.concurrent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 import tempfile
@@ -297,8 +298,9 @@ def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
         return x
 
     out: dict[str, Any] = {}
+    default = shard.fast_path
     for kernel in (False, True) if few_row_matmul.available() else (False,):
-        few_row_matmul.set_enabled(kernel)  # the layers are `FewRowQuantizedLinear`s on CUDA
+        shard.use_fast_path(dataclasses.replace(default, few_row_kernel=kernel))
         label = "kernel_" if kernel else ""
         for m in (1, 2, 3, 4, 8, 16, 32):
             x = mx.random.normal((1, m, shard.hidden_size)).astype(mx.bfloat16)
@@ -306,7 +308,7 @@ def mlp_chain(shard: ModelShard, iters: int = 15) -> dict:
             out[f"{label}independent_M{m}_ms"] = _timed(
                 lambda x=x: [layer.mlp(x) for layer in layers], iters, 3
             ) / len(layers)
-    few_row_matmul.set_enabled(None)
+    shard.use_fast_path(default)
     return out
 
 

@@ -1,9 +1,9 @@
-"""Benchmarks.
+"""`cluster bench`: the benchmark a user runs on their own cluster.
 
-`cluster bench`, the benchmark a user runs on their own cluster: `cli`, `benchmark`,
-`workload`, `client`, `metrics`, `nodes`, `baselines`, `report`, `plots`, `cluster_up`.
-The other modules are a developer's design-decision scripts (`python -m
-cluster.bench.<name>`, each described in its docstring; `gpu_bench` is a package, a module a
-phase); `ring_baseline` also serves `cluster bench --baseline ring`, over the hosts of a
-cluster file through `ring_hosts` (here) and `ring_rank` (on each host).
+`cli` is the command; `benchmark` runs its scenarios (`workload`) through the HTTP API
+(`client`), `metrics` turns the requests into figures and `nodes` reads each node's share of
+the work; `cluster_up` starts the cluster to measure (`--local N`, `--hosts FILE`);
+`baselines` measures mlx-lm on the same prompts, in one process or as its own ring pipeline
+(`ring_baseline`: here, `ring_hosts` and `ring_rank`: over the hosts of a cluster file);
+`report` and `plots` write the results.
 """

@@ -3,9 +3,9 @@
   mlx-lm  `mlx_lm.stream_generate` in this process, one request at a time: the speed of
           the model on one machine with no cluster around it
   ring    mlx-lm's own pipeline parallelism (`mlx.launch --backend ring`, every rank
-          holding a share of the layers; `cluster.bench.ring_baseline`) on the same hosts:
+          holding a share of the layers; `ring_baseline`) on the same hosts:
           for `--local N`, N ranks on this machine; for `--hosts FILE`, one rank on each
-          host of the cluster file (`cluster.bench.ring_hosts`)
+          host of the cluster file (`ring_hosts`)
 
 Both decode the bench's own prompts (same lengths, same sampling; stop tokens ignored, so
 every run generates exactly --max-tokens tokens) and report TTFT (prompt in, first token
@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.bench.metrics import timing
+from cluster.bench.ring_baseline import run_ring
 from cluster.bench.workload import SAMPLED_TEMPERATURE, Scenario
 from cluster.hosts.clusterfile import ClusterFile
 
@@ -76,18 +78,6 @@ def mlx_lm_baseline(
     return {"description": "mlx_lm.stream_generate, one process, one request", "runs": out}
 
 
-def timing(prompt_tokens: int, started: float, stamps: Sequence[float]) -> dict[str, float]:
-    """TTFT, decode and prefill tokens/s from the arrival times of the generated tokens."""
-    ttft = stamps[0] - started
-    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-    return {
-        "generated": len(stamps),
-        "ttft_ms": ttft * 1000,
-        "decode_tps": decode,
-        "prefill_tps": prompt_tokens / ttft if ttft > 0 else 0.0,
-    }
-
-
 def ring_baseline(
     model_dir: Path,
     prompts: dict[int, tuple[int, ...]],
@@ -97,16 +87,15 @@ def ring_baseline(
     ranks: int,
 ) -> dict[str, Any]:
     """mlx-lm's ring pipeline over `ranks` processes on this machine."""
-    from cluster.bench.ring_baseline import run_ring
-
     if ranks < 2:
         return {"skipped": "mlx-lm's ring pipeline needs at least 2 ranks"}
     report = run_ring(
         model_dir,
+        [(list(prompts[length]), sampled) for length, sampled in runs],
         ranks=ranks,
         max_tokens=max_tokens,
-        seed_base=seed,
-        prompt_runs=[(list(prompts[length]), sampled) for length, sampled in runs],
+        temperature=SAMPLED_TEMPERATURE,
+        seed=seed,
     )
     out = [
         {"prompt_tokens": length, "sampling": _sampling(sampled), **row}

@@ -23,11 +23,13 @@ from cluster.bench.client import BenchError
 from cluster.bench.cluster_up import ClusterUp, ClusterUpError
 from cluster.bench.workload import (
     PromptSource,
+    Scenario,
     WorkloadError,
     positive_floats,
     positive_ints,
     scenarios,
 )
+from cluster.commands.options import model_option
 from cluster.config import ModelDirError, bundled_model_path, load_model_config
 from cluster.hosts.clusterfile import ClusterFileError, load_cluster_file
 from cluster.messages import RequestError, parse_mtp_depth
@@ -45,12 +47,10 @@ from cluster.messages import RequestError, parse_mtp_depth
     default=None,
     help="Start the cluster on the hosts of FILE (as `cluster up --hosts`).",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="The served model's directory: its tokenizer makes the prompts (default: bundled).",
+@model_option(
+    "The served model, a directory or a Hugging Face repo id owner/name: its tokenizer makes "
+    "the prompts (default: bundled).",
+    bundled_default=False,
 )
 @click.option("--prompt-tokens", default="128,1024", show_default=True, help="Prompt lengths.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated each.")
@@ -122,10 +122,10 @@ def bench_command(
             cluster_file = load_cluster_file(hosts)
             model_dir = cluster_file.model
         model_dir = model_dir or bundled_model_path()
-        plan = _plan(
-            model_dir, prompt_tokens, max_tokens, concurrency, rate, requests, sampling, mtp_modes,
-            seed,
-        )  # fmt: skip
+        chosen = _scenarios(
+            prompt_tokens, max_tokens, concurrency, rate, requests, sampling, mtp_modes
+        )
+        plan = BenchPlan(model_dir, load_model_config(model_dir).max_context, chosen, seed)
         kinds = _baseline_kinds(baseline_kinds)
         depth = parse_mtp_depth(mtp_depth) if mtp_depth is not None else None
         prompts = PromptSource(_tokenizer(model_dir))
@@ -164,8 +164,7 @@ def bench_command(
         _write(result, out_dir)
 
 
-def _plan(
-    model_dir: Path,
+def _scenarios(
     prompt_tokens: str,
     max_tokens: int,
     concurrency: str,
@@ -173,8 +172,8 @@ def _plan(
     requests: int | None,
     sampling: str,
     mtp_modes: str,
-    seed: int,
-) -> BenchPlan:
+) -> tuple[Scenario, ...]:
+    """The scenarios the options ask for, or a WorkloadError naming the bad option."""
     if max_tokens < 1:
         raise WorkloadError(f"--max-tokens must be >= 1, got {max_tokens}")
     if requests is not None and requests < 1:
@@ -188,8 +187,7 @@ def _plan(
         mtp=_choices(mtp_modes, "--mtp", {"on": True, "off": False}),
         requests=requests,
     )
-    config = load_model_config(model_dir)
-    return BenchPlan(model_dir, config.max_context, tuple(chosen), seed)
+    return tuple(chosen)
 
 
 def _choices(text: str, option: str, known: dict[str, bool]) -> list[bool]:

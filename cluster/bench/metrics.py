@@ -23,6 +23,10 @@ Beyond vLLM's set:
 
 A chunk may carry several tokens (an accepted MTP draft arrives with its correction), so ITL
 is per chunk, as vLLM's is under speculative decoding; TPOT is per token.
+
+A baseline run (mlx-lm in one process, or its ring pipeline: `baselines`) has no requests;
+`timing` gives it TTFT, decode tokens/s (tokens after the first over the time after the
+first) and prefill tokens/s (prompt tokens / TTFT) from its tokens' arrival times.
 """
 
 from __future__ import annotations
@@ -90,3 +94,15 @@ def _distribution(name: str, seconds: Sequence[float]) -> dict[str, float | None
     for p in PERCENTILES:
         out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
     return out
+
+
+def timing(prompt_tokens: int, started: float, stamps: Sequence[float]) -> dict[str, float]:
+    """TTFT, decode and prefill tokens/s from the arrival times of the generated tokens."""
+    ttft = stamps[0] - started
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return {
+        "generated": len(stamps),
+        "ttft_ms": ttft * 1000,
+        "decode_tps": decode,
+        "prefill_tps": prompt_tokens / ttft if ttft > 0 else 0.0,
+    }

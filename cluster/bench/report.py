@@ -12,6 +12,7 @@ import csv
 import datetime
 import json
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,6 @@ def versions() -> dict[str, Any]:
     """The software measured: this package, MLX, mlx-lm, Python, and the commit."""
     import mlx.core as mx
 
-    from benchmarks.common import source_state
-
     try:
         from importlib.metadata import version
 
@@ -61,6 +60,28 @@ def versions() -> dict[str, Any]:
         "client_platform": platform.platform(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **source_state(),
+    }
+
+
+def source_state() -> dict[str, Any]:
+    """The commit measured and the tracked files that differ from it, when this package runs
+    from a git checkout; empty figures otherwise (an installed package has no commit)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return {"commit": "", "modified": []}
+
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "modified": git("status", "--short", "--untracked-files=no").splitlines(),
     }
 
 

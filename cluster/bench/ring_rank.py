@@ -165,17 +165,17 @@ def ring_rank_command(run_id: str, rank: int) -> None:
 
 
 def _run_rank(rank: int, settings: dict, directory: Path, hung_up: threading.Event) -> dict:
+    from cluster.bench.ring_baseline import worker_argv
+
     hostfile = directory / "hostfile.json"
     hostfile.write_text(json.dumps(settings["hostfile"]))
     runs = directory / "runs.json"
     runs.write_text(json.dumps(settings["prompt_runs"]))
     out, log = directory / "rank.json", directory / "rank.log"
-    argv = [
-        sys.executable, "-m", "cluster.bench.ring_baseline", "--worker",
-        "--out", str(out), "--model", settings["model"],
-        "--max-tokens", str(settings["max_tokens"]), "--temperature", str(settings["temperature"]),
-        "--seed-base", str(settings["seed"]), "--prompt-runs", str(runs),
-    ]  # fmt: skip
+    argv = worker_argv(
+        out, settings["model"], runs, settings["max_tokens"], settings["temperature"],
+        settings["seed"],
+    )  # fmt: skip
     env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
     with log.open("w") as log_file:
         worker = subprocess.Popen(

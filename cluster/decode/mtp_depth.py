@@ -4,19 +4,32 @@ Each request keeps its running acceptance at each draft position: `rate[i]` is t
 that draft i+1 passes given that the drafts before it passed (a draft after a rejection is
 never judged, so it is not counted). With k drafts a step emits on average
     E(k) = 1 + r1 + r1 r2 + ... + r1 ... rk
-tokens, and costs what a batch of its positions costs on this node (cluster.decode.step_cost,
-the node's own counters). Its drafts also slow the other requests of the batch, so `auto` picks
-the k that maximises the batch's tokens per second, (others + E(k)) / cost(others + 1 + k),
-counting one token per position of the others (an upper bound, which leans against drafting).
-k = 0 when no depth beats a plain step: where extra rows cost per row (a long batch, a CPU)
-a draft must pass more often than a row costs. Across a pipeline the tail reads its own
-node's curve as every stage's (placement balances the stages); the hops cost the same at any
-depth, so leaving them out only leans the choice toward fewer drafts.
+tokens, and costs what a batch of its positions costs on this node at the batch's context
+length (cluster.decode.step_cost, the node's own counters). Its drafts also slow the other
+requests of the batch, so `auto` picks the k that maximises the batch's tokens per second,
+(others + E(k)) / cost(others + 1 + k), counting one token per position of the others (an
+upper bound, which leans against drafting). k = 0, a plain step, is one of the candidates:
+where extra rows cost per row (a long batch, a CPU) a draft must pass more often than a row
+costs, and where no depth beats a plain step `auto` does not draft.
+
+What `auto` cannot see it probes, at a cost bounded by design. A depth it does not draft at
+has no verdicts, and a depth it does not step at has no cost at the request's context; and
+the node records only steps that keep their depth (cluster.decode.runner: the step where a
+depth changes costs neither depth's price), so a probe is a short run of steps:
+- every `PROBE_EVERY` steps, a request that does not draft drafts one draft for
+  `PROBE_STEPS` steps (the acceptance, and the cost of a step with a draft);
+- one that drafts alternates between `PROBE_STEPS` steps one draft deeper (the acceptance
+  there, the cost of one more row) and `PLAIN_PROBE_STEPS` plain steps (the cost of a step
+  without drafts at this context);
+- a probe whose drafts all passed goes on one step more (the text may have turned
+  predictable). At an acceptance of 0 that never happens: where drafts fail, `auto` drafts
+  on `PROBE_STEPS` steps in `PROBE_EVERY`, 2 %.
+- before the node has timed a plain step, a request steps plainly (which times it); the
+  first count of positions above its choice that the node cannot cost at all is probed once.
 
 A request's estimates start from the node's running acceptance over all its requests (an
-optimistic constant before any verdict), and a depth that is not chosen is still tried every
-`EXPLORE_EVERY` steps (one deeper than the choice), so that a request whose text turns
-predictable, or a machine that turns out cheap per row, is noticed.
+optimistic constant before any verdict). Verdicts fade by `DECAY` each: the estimate follows
+the request's text within a few tens of steps (see `DECAY`).
 """
 
 from __future__ import annotations
@@ -28,8 +41,21 @@ from cluster.messages import MtpDepth
 
 AUTO_MAX_DEPTH = 4  # what `auto` explores; fixed depths may go to MAX_MTP_DEPTH
 PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0  # as if two drafts of each position were judged
-DECAY = 0.95  # older verdicts fade: a request's text changes as it goes
-EXPLORE_EVERY = 16  # steps
+# Older verdicts fade: a request's text changes as it goes. At 0.9 the estimate weighs about
+# the last ten verdicts: after a long run of passes and then none, the rate at the first
+# position falls as 0.9^n, under 0.5 (where a CPU's second row stops paying) after 7 verdicts
+# and under 0.2 (a device where a second row costs a quarter of a step) after 16, with the
+# prior and a verdict read one step late (a step built ahead) adding a few steps: well within
+# 32 tokens.
+DECAY = 0.9
+# A probe every 100 steps: 2 steps drafting where drafts fail, 2 % of the steps.
+PROBE_EVERY = 100
+PROBE_STEPS = 2  # the first drafts after plain steps, the second is one the node records
+WARM_UP_STEPS = 4  # the first probe of a count: three steps recorded, not one sample
+# Once `auto` stops drafting it stays plain this many steps at least: a run of plain steps is
+# what the node records as a plain step's cost (a lone one between drafting steps is not).
+HOLD_PLAIN = 4
+PLAIN_PROBE_STEPS = 3  # the first carries the last verdict, the last feeds the MTP head
 
 
 @dataclass(slots=True)
@@ -50,10 +76,18 @@ class Acceptance:
 
     def rate(self, position: int, prior: Acceptance | None = None) -> float:
         """Estimated chance that draft `position` (0-based) passes after the earlier ones,
-        what this acceptance saw weighed against `prior`'s estimate (or PRIOR_RATE)."""
+        what this acceptance saw weighed against `prior`'s estimate (or, without a prior,
+        PRIOR_RATE at the first position and the estimate of the position before at the
+        others: a position never judged is not taken to pass more often than the one before
+        it, which would make a deep step look worth it where the first draft fails)."""
         judged = self.judged[position] if position < len(self.judged) else 0.0
         passed = self.passed[position] if position < len(self.passed) else 0.0
-        start = prior.rate(position) if prior is not None else PRIOR_RATE
+        if prior is not None:
+            start = prior.rate(position)
+        elif position == 0:
+            start = PRIOR_RATE
+        else:
+            start = min(PRIOR_RATE, self.rate(position - 1))
         return (passed + start * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
 
     def expected_tokens(self, depth: int, prior: Acceptance | None = None) -> float:
@@ -70,14 +104,21 @@ def best_depth(
     others: int,
     max_depth: int = AUTO_MAX_DEPTH,
     prior: Acceptance | None = None,
+    context: int = 0,
 ) -> int:
     """The depth with the most expected tokens per second for a batch where `others`
-    positions belong to other requests; 1 while the node has measured nothing."""
-    if cost.seconds(others + 1) is None:
-        return min(1, max_depth)
-    best, best_rate = 0, 0.0
-    for depth in range(max_depth + 1):
-        seconds = cost.seconds(others + 1 + depth)
+    positions belong to other requests, at `context` positions (the batch's longest), among
+    the depths whose cost the node can tell; 0 while it cannot tell a plain step's."""
+    plain = cost.seconds(others + 1, context)
+    if plain is None:
+        return 0
+    best, best_rate, floor = 0, (others + 1) / max(plain, 1e-9), plain
+    for depth in range(1, max_depth + 1):
+        seconds = cost.seconds(others + 1 + depth, context)
+        if seconds is None:
+            break  # a count never timed anywhere: a probe times it
+        # More positions never cost less (what says otherwise is noise).
+        seconds = floor = max(seconds, floor)
         rate = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
         if rate > best_rate:
             best, best_rate = depth, rate
@@ -86,24 +127,67 @@ def best_depth(
 
 @dataclass(slots=True)
 class DepthPolicy:
-    """One request's draft count for each next step."""
+    """One request's draft count for each next step. `steps` counts its decisions,
+    `drafting` those with drafts, `probes` those that were probes."""
 
     mode: MtpDepth
     node: Acceptance | None = None  # the node's, over all requests (shared, updated here too)
     acceptance: Acceptance = field(default_factory=Acceptance)
     steps: int = 0
+    drafting: int = 0
+    probes: int = 0
+    _probe_depth: int = 0
+    _probe_left: int = 0  # steps of the probe under way still to take
+    _probing: bool = False  # a probe with drafts is under way: its verdicts may extend it
+    _plain_next: bool = False  # the next periodic probe of a drafting request: plain steps
+    _warmed: bool = False  # the count the node could not cost was probed once
+    _hold: int = 0  # plain steps still to take before drafting again (`HOLD_PLAIN`)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.acceptance.record(drafted, accepted)
             if self.node is not None:
                 self.node.record(drafted, accepted)
+            if self._probing and accepted == drafted and self._probe_left == 0:
+                self._probe_left = 1  # every draft passed: one step more
 
-    def next_depth(self, cost: StepCost, others: int) -> int:
+    def next_depth(self, cost: StepCost, others: int, context: int = 0) -> int:
         if self.mode != "auto":
             return self.mode
         self.steps += 1
-        depth = best_depth(self.acceptance, cost, others, prior=self.node)
-        if self.steps % EXPLORE_EVERY == 0:
-            depth = min(depth + 1, AUTO_MAX_DEPTH)
+        depth = best_depth(self.acceptance, cost, others, prior=self.node, context=context)
+        if self._hold:
+            self._hold -= 1
+            depth = 0
+        elif depth == 0 and self._probe_left == 0:
+            self._hold = HOLD_PLAIN - 1
+        if self._probe_left == 0:
+            self._probing = False
+            self._start_probe(depth, cost, others, context)
+        if self._probe_left:
+            self._probe_left -= 1
+            self.probes += 1
+            depth = self._probe_depth
+        if depth:
+            self.drafting += 1
         return depth
+
+    def _start_probe(self, best: int, cost: StepCost, others: int, context: int) -> None:
+        deeper = min(best + 1, AUTO_MAX_DEPTH)
+        if not self._warmed and deeper > best:
+            known = cost.seconds(others + 1 + best, context) is not None
+            if known and cost.seconds(others + 1 + deeper, context) is None:
+                self._warmed = True  # a count never timed anywhere, next to the choice
+                self._probe(deeper, WARM_UP_STEPS)
+                return
+        if self.steps % PROBE_EVERY:
+            return
+        if best > 0:
+            self._plain_next = not self._plain_next
+            if self._plain_next or deeper == best:
+                self._probe(0, PLAIN_PROBE_STEPS)
+                return
+        self._probe(deeper, PROBE_STEPS)
+
+    def _probe(self, depth: int, steps: int) -> None:
+        self._probe_depth, self._probe_left, self._probing = depth, steps, depth > 0

@@ -2,9 +2,10 @@
 
 `Pipeline` is all the generation engine knows of where the layers run: submit a step, get the
 tail's result; release a request. `LocalPipeline` runs shards in this process (one shard for
-the whole model, or several one after the other); the remote pipeline (`cluster.transport.node_client`) runs
-them on node daemons. Concurrent submissions are gathered into packed batches, at most one
-step per request per batch, so several requests share each pass over the weights.
+the whole model, or several one after the other); the remote pipeline
+(`cluster.transport.node_client`) runs them on node daemons. Concurrent submissions are
+gathered into packed batches, at most one step per request per batch, so several requests share
+each pass over the weights.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ of each request's caches taken before it, so every step sees exactly the caches 
 
 A node of a pipeline knows its requests' next step but not its input, which another process
 sends: where every request of a batch decodes one token a step, it builds (and on CUDA
-launches) the batch after it on a doorbell (cluster.decode.doorbell) that the node rings with
+launches) the batch after it on a late input (cluster.decode.late_input) that the node rings with
 the input when the step's message arrives (`plain_successors`, `build_ahead`).
 
 With MTP (greedy, one draft a step) the next step is [the last token emitted, the draft], and
@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from cluster.decode.doorbell import Doorbell
+from cluster.decode.late_input import LateInput
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
 from cluster.decode.step_cost import StepCost
-from cluster.decode.tail import NextInput, Tail, TailJob, TailMark, TailRequest
+from cluster.decode.tail import NextInput, Tail, TailJob, TailRequest, TailRequestMark
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
-from cluster.model.cache import CacheMark, RequestCache, Verdicts, defer_verdicts
+from cluster.model.cache import CacheMark, PendingVerdicts, RequestCache, defer_verdicts
 from cluster.model.layers import Segment
 from cluster.model.shard import ModelShard
 
@@ -53,11 +53,11 @@ RELEASED_MEMORY = 4096  # released request ids remembered, to refuse their late 
 
 
 def mtp_lookahead_default() -> bool:
-    """Whether MTP steps are built ahead of their verdict by default. On the CPU it took the
-    bundled model's MTP on/off from 1.09x to 1.19x (BENCHMARKS.md). On an H100 (27B shape,
-    4 bits) it measured 0.94x of waiting for the verdict with one request and 0.72x with 8
-    concurrent ones: the device pays for the masked attention and the selected states, and
-    there is less host time to hide. Metal is not measured: off there as on CUDA."""
+    """Whether MTP steps are built ahead of their verdict by default: on the CPU, where the
+    host time it hides is large against the step. On CUDA it is slower than waiting for the
+    verdict, more so with many concurrent requests: the device pays for the masked attention
+    and the selected states, and there is less host time to hide. Metal is not measured: off
+    there as on CUDA (nothing is turned on where it may cost)."""
     return mx.default_device() == mx.cpu
 
 
@@ -93,30 +93,30 @@ Runnable = tuple[int, StepRequest, RequestState]
 
 
 @dataclass(slots=True)
-class _Ahead:
+class _StepBuiltAhead:
     """A batch built and launched before it was asked for: each request's next step, fed the
     tokens its last step emits. `steps` hold those tokens once they are read; `marks` and
     `tail_marks` are the requests' caches from before this batch, to undo it; `undecided`,
     each request's drafts in its last step, whose verdict this batch took on the device.
-    Built on a doorbell (a node's next step), `steps` are the expected steps with their
-    tokens zeroed, `seq` what the doorbell waits for, and `hidden` a non-tail shard's output."""
+    Built on a late input (a node's next step), `steps` are the expected steps with their
+    tokens zeroed, `seq` what the late input waits for, and `hidden` a non-tail shard's output."""
 
     runnable: list[Runnable]
     jobs: list[TailJob]
     marks: list[CacheMark]
-    tail_marks: list[TailMark | None]  # None: a shard without the tail
+    tail_marks: list[TailRequestMark | None]  # None: a shard without the tail
     undecided: list[int]
     steps: list[StepRequest] = field(default_factory=list)
-    doorbell: Doorbell | None = None
+    late_input: LateInput | None = None
     seq: int = 0
     hidden: mx.array | None = None
 
     def matches(self, steps: list[StepRequest]) -> bool:
-        """Whether `steps` is the batch built: on a doorbell, the same steps but for their
-        tokens, whose input the doorbell was rung with."""
-        if self.doorbell is None:
+        """Whether `steps` is the batch built: on a late input, the same steps but for their
+        tokens, whose input the late input was rung with."""
+        if self.late_input is None:
             return self.steps == steps
-        delivered = self.doorbell.delivered(self.seq)
+        delivered = self.late_input.delivered(self.seq)
         return delivered and [without_tokens(s) for s in steps] == self.steps
 
     def holds(self, request_id: str | None) -> bool:
@@ -147,7 +147,7 @@ class ShardRunner:
         # ... and for MTP steps too, before the verdict on their draft is read (None: the
         # backend's default).
         self.mtp_lookahead = mtp_lookahead_default() if mtp_lookahead is None else mtp_lookahead
-        self._ahead: _Ahead | None = None
+        self._ahead: _StepBuiltAhead | None = None
         self.steps_ahead_used = 0
         self.steps_ahead_undone = 0
         self.cache_budget_bytes = cache_budget_bytes
@@ -171,19 +171,42 @@ class ShardRunner:
     def run(self, steps: list[StepRequest], hidden: mx.array | None = None) -> BatchOutput:
         started = time.perf_counter()
         ahead, self._ahead = self._ahead, None
+        undecided: list[int] | None = None
         if ahead is not None and ahead.matches(steps):
             self.steps_ahead_used += 1
+            undecided = ahead.undecided
             output = self._run_ahead(ahead, steps)
         else:
             if ahead is not None:
                 self._undo(ahead)
             output = self._run(steps, hidden)
-        # Decode batches only (one confirmed token per request): a prefill chunk's positions
-        # cost less each (one lm_head row, no drafts), and would bend the decode curve.
-        if output.steps and all(step.n_confirmed == 1 for step in output.steps):
-            positions = sum(len(step.tokens) for step in output.steps)
-            self.step_cost.record(positions, time.perf_counter() - started)
+        if self._steady(output, undecided):
+            positions = context = 0
+            for step in output.steps:
+                positions += len(step.tokens)
+                context = max(context, step.position + len(step.tokens))
+            self.step_cost.record(positions, time.perf_counter() - started, context)
         return output
+
+    @staticmethod
+    def _steady(output: BatchOutput, undecided: list[int] | None) -> bool:
+        """Whether the batch's time is what such batches cost, to be recorded in the step
+        cost curve: decode batches only (one confirmed token per request: a prefill chunk's
+        positions cost less each, one lm_head row and no drafts); and on the tail, none of
+        its requests changing its draft count (the step before a change runs the MTP head for
+        a draft the step does not carry, or holds back what a plain step would run, and a
+        plain step built ahead of the verdict on a draft carries that verdict's masks): what
+        the adaptive depth weighs is the cost of staying at a depth."""
+        if not output.steps or any(step.n_confirmed != 1 for step in output.steps):
+            return False
+        if not output.results:
+            return True
+        for i, (step, result) in enumerate(zip(output.steps, output.results, strict=True)):
+            if len(result.drafts) != step.draft_len:
+                return False
+            if not step.draft_len and undecided is not None and undecided[i]:
+                return False
+        return True
 
     def _run(self, steps: list[StepRequest], hidden: mx.array | None) -> BatchOutput:
         errors: dict[str, RequestError] = {}
@@ -245,7 +268,7 @@ class ShardRunner:
         ran = [step for _, step, _ in runnable]
         return BatchOutput(ran, results=results, errors=errors, prefix_dropped=dropped)
 
-    def _start_ahead(self, runnable: list[Runnable], jobs: list[TailJob]) -> _Ahead | None:
+    def _start_ahead(self, runnable: list[Runnable], jobs: list[TailJob]) -> _StepBuiltAhead | None:
         """Build and launch the batch that feeds each request the tokens it is about to emit,
         where the device alone fixes every request's next step (`Tail.next_input`); None
         where not."""
@@ -268,7 +291,7 @@ class ShardRunner:
                 state.cache.restore(mark)
                 state.tail.restore(tail_mark)
             raise
-        return _Ahead(ahead, jobs, marks, tail_marks, undecided)
+        return _StepBuiltAhead(ahead, jobs, marks, tail_marks, undecided)
 
     def _launch_ahead(
         self, runnable: list[Runnable], nexts: list[NextInput], undecided: list[int]
@@ -276,7 +299,7 @@ class ShardRunner:
         """`_start_ahead`'s build: the verdicts taken on the device, the batch, its tail."""
         states = [state for _, _, state in runnable]
         if any(undecided):
-            verdicts = Verdicts([following.accepted for following in nexts], undecided)
+            verdicts = PendingVerdicts([following.accepted for following in nexts], undecided)
             defer_verdicts([state.cache for state in states], verdicts, list(range(len(states))))
             mtp = [(row, s.tail.mtp_cache) for row, s in enumerate(states) if s.tail.mtp_cache]
             defer_verdicts([cache for _, cache in mtp], verdicts, [row for row, _ in mtp])
@@ -301,7 +324,7 @@ class ShardRunner:
         jobs = self.tail.launch(steps, [state.tail for state in states], out, tokens)
         return ahead, jobs
 
-    def _read_verdicts(self, ahead: _Ahead, jobs: list[TailJob]) -> _Ahead | None:
+    def _read_verdicts(self, ahead: _StepBuiltAhead, jobs: list[TailJob]) -> _StepBuiltAhead | None:
         """The verdicts of the batch that `ahead` follows, read: resolve the caches that took
         them on the device. Where the host decided otherwise than the device (a decision
         replaced on the host alone), the batch built on the device's is undone instead."""
@@ -322,10 +345,10 @@ class ShardRunner:
                 ahead.tail_marks[i] = ahead.tail_marks[i].trimmed(drop)
         return ahead
 
-    def _run_ahead(self, ahead: _Ahead, steps: list[StepRequest]) -> BatchOutput:
+    def _run_ahead(self, ahead: _StepBuiltAhead, steps: list[StepRequest]) -> BatchOutput:
         """The batch built ahead, now asked for: conclude it (building the one after)."""
-        if ahead.doorbell is not None:
-            ahead.steps = steps  # the tokens the doorbell was rung with
+        if ahead.late_input is not None:
+            ahead.steps = steps  # the tokens the late input was rung with
         runnable = []
         now = time.monotonic()
         for i, ((row, _, state), step) in enumerate(zip(ahead.runnable, ahead.steps, strict=True)):
@@ -339,7 +362,7 @@ class ShardRunner:
             return BatchOutput([step for _, step, _ in runnable], hidden=ahead.hidden)
         return self._conclude(runnable, ahead.jobs, {})
 
-    # -- a node's next step, built on a doorbell -------------------------------------------
+    # -- a node's next step, built on a late input -------------------------------------------
 
     def ahead_matches(self, steps: list[StepRequest]) -> bool:
         """Whether `run(steps)` will take the batch built ahead (and needs no input)."""
@@ -366,7 +389,7 @@ class ShardRunner:
         return successors
 
     def input_nbytes(self, steps: list[StepRequest]) -> int | None:
-        """The bytes of a doorbell's input for `steps`: token ids at the head, hidden states
+        """The bytes of a late input's input for `steps`: token ids at the head, hidden states
         elsewhere (None before this shard has seen any)."""
         if self.spec.is_head:
             return 4 * len(steps)
@@ -374,9 +397,9 @@ class ShardRunner:
             return None
         return len(steps) * self.shard.hidden_size * self.hidden_dtype.size
 
-    def build_ahead(self, steps: list[StepRequest], doorbell: Doorbell, seq: int) -> bool:
-        """Build `steps` (from `plain_successors`) on `doorbell`'s input `seq`, and where the
-        doorbell allows, launch them: `run` uses them if the node rings the doorbell with the
+    def build_ahead(self, steps: list[StepRequest], late_input: LateInput, seq: int) -> bool:
+        """Build `steps` (from `plain_successors`) on `late_input`'s input `seq`, and where the
+        late_input allows, launch them: `run` uses them if the node rings the late input with the
         input of the same steps; anything else undoes them. False where nothing was built."""
         self.settle()
         states = [self.requests.get(step.request_id) for step in steps]
@@ -392,13 +415,13 @@ class ShardRunner:
             return False
         marks = [state.cache.mark() for state in states]
         tail_marks = [state.tail.mark() if state.tail else None for state in states]
-        launch = doorbell.launches_ahead
+        launch = late_input.launches_ahead
         try:
             if self.spec.is_head:
-                x = self.shard.embed(doorbell.input(seq, (len(steps),), mx.uint32)[None])
+                x = self.shard.embed(late_input.input(seq, (len(steps),), mx.uint32)[None])
             else:
                 shape = (1, len(steps), self.shard.hidden_size)
-                x = doorbell.input(seq, shape, self.hidden_dtype)
+                x = late_input.input(seq, shape, self.hidden_dtype)
             segments = []
             for state in states:
                 state.cache.begin_step(0, 1)
@@ -417,13 +440,13 @@ class ShardRunner:
                     state.tail.restore(tail_mark)
             raise
         runnable = list(zip(range(len(steps)), steps, states, strict=True))  # a row each
-        self._ahead = _Ahead(
+        self._ahead = _StepBuiltAhead(
             runnable, jobs, marks, tail_marks, [0] * len(steps), steps=steps,
-            doorbell=doorbell, seq=seq, hidden=None if self.tail is not None else out,
+            late_input=late_input, seq=seq, hidden=None if self.tail is not None else out,
         )  # fmt: skip
         return True
 
-    def _undo(self, ahead: _Ahead) -> None:
+    def _undo(self, ahead: _StepBuiltAhead) -> None:
         """Take back a batch built ahead that was not asked for: the caches as before it."""
         self.steps_ahead_undone += 1
         for (_, _, state), mark, tail_mark in zip(
@@ -506,6 +529,8 @@ class ShardRunner:
         for _, step, state in runnable:
             if not step.prefix_save:
                 continue
+            if state.tail is not None:
+                self.tail.feed_unfed(state.tail)
             try:
                 snapshot = PrefixSnapshot.take(state.cache, state.tail, state.cache.position)
             except ValueError as error:  # e.g. asked of a chunk that is not the prompt's last
@@ -585,6 +610,8 @@ class ShardRunner:
         try:
             if drop:
                 state.cache.rollback(drop)
+            if state.tail is not None:
+                self.tail.feed_unfed(state.tail)
             snapshot = PrefixSnapshot.take(state.cache, state.tail, positions)
         except ValueError as error:
             log.warning("no prefix snapshot of %s: %s", request_id, error)

@@ -19,6 +19,12 @@ for every request of the batch at once, with one more sync. Each link writes an 
 MTP cache that no verdict will confirm; those `speculative` entries are discarded before the
 next step feeds its confirmed pairs, so the MTP cache only ever holds confirmed pairs.
 
+Where `auto` chose not to draft from a step without drafts, the MTP head is not run: the
+step's pairs wait on the request (`TailRequest.unfed`) and go in with the pairs of the next
+step that drafts, in one pass (or before a prefix snapshot reads the MTP cache, `feed_unfed`).
+A request that does not draft then costs what it costs without MTP; the MTP cache ends up
+with the same pairs.
+
 A step built ahead (cluster.decode.runner) is launched before the verdict of the step before
 it is read: its tokens are still on the device (`TailJob.inputs`, from `next_input`), and its
 MTP cache holds that verdict deferred (cluster.model.cache): the runner resolves it.
@@ -28,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from cluster.decode.mtp_depth import Acceptance, DepthPolicy
 from cluster.decode.sampling import DRAFT, RequestRandom, log_probs, sample_with
-from cluster.decode.step_cost import StepCost
+from cluster.decode.step_cost import StepCost, batch_context
 from cluster.decode.token_mask import constrain
 from cluster.decode.verify import Candidates, decide, propose
 from cluster.messages import (
@@ -51,24 +58,31 @@ from cluster.model.shard import ModelShard
 
 _PLAIN = SamplingParams()  # greedy params: log_probs gives the model's own distribution
 
+# A verdict override for tests and benchmarks: given a step with drafts, how many of them to
+# accept (None: the model's verdict). The step then emits the accepted drafts and the model's
+# token after them; where it accepts a draft the model rejected, the output is no longer the
+# model's (that is the point: a fixed acceptance on any model).
+ForcedVerdict = Callable[[StepRequest], int | None]
+
 
 def _ids(tokens: tuple[int, ...]) -> mx.array:
     return mx.array(tokens, dtype=mx.uint32)
 
 
 @dataclass(frozen=True, slots=True)
-class TailMark:
+class TailRequestMark:
     """A `TailRequest` at one moment (`TailRequest.mark`)."""
 
     mtp_cache: CacheMark | None
     pending_hidden: mx.array | None
     recent_inputs: mx.array | None
+    unfed: tuple[tuple[mx.array, mx.array], ...] = ()
 
-    def trimmed(self, drop: int) -> TailMark:
+    def trimmed(self, drop: int) -> TailRequestMark:
         """This mark less the last `drop` MTP pairs (those after a rejected draft)."""
         if self.mtp_cache is None or drop == 0:
             return self
-        return TailMark(self.mtp_cache.trimmed(drop), self.pending_hidden, self.recent_inputs)
+        return dataclasses.replace(self, mtp_cache=self.mtp_cache.trimmed(drop))
 
 
 @dataclass(slots=True)
@@ -89,20 +103,24 @@ class TailRequest:
     # kept positions may end), from position `recent_start`: a prefix snapshot's pending pair.
     recent_inputs: mx.array | None = None
     recent_start: int = 0
+    # The (hidden states [1, n, hidden], tokens [n]) pairs of the steps since the MTP head
+    # last ran, oldest first: `auto` chose no draft after them (the module's docstring).
+    unfed: tuple[tuple[mx.array, mx.array], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.mtp_cache.nbytes if self.mtp_cache else 0
 
-    def mark(self) -> TailMark:
+    def mark(self) -> TailRequestMark:
         """What a launch changes here; `restore` undoes a step launched since."""
         cache = self.mtp_cache.mark() if self.mtp_cache is not None else None
-        return TailMark(cache, self.pending_hidden, self.recent_inputs)
+        return TailRequestMark(cache, self.pending_hidden, self.recent_inputs, self.unfed)
 
-    def restore(self, mark: TailMark) -> None:
+    def restore(self, mark: TailRequestMark) -> None:
         if self.mtp_cache is not None:
             self.mtp_cache.restore(mark.mtp_cache)
         self.pending_hidden, self.recent_inputs = mark.pending_hidden, mark.recent_inputs
+        self.unfed = mark.unfed
 
     def discard_speculative(self) -> None:
         """Drop what chained drafts wrote to the MTP cache: it then holds confirmed pairs only."""
@@ -181,11 +199,14 @@ class Tail:
         *,
         mtp_reads_prenorm: bool = False,
         step_cost: StepCost | None = None,
+        force_verdict: ForcedVerdict | None = None,
     ):
         self.shard = shard
         self.mtp_reads_prenorm = mtp_reads_prenorm
         self.step_cost = step_cost if step_cost is not None else StepCost()
         self.acceptance = Acceptance()  # over all requests: a new request's starting point
+        # For tests and benchmarks only: each drafted step's verdict (`ForcedVerdict`).
+        self.force_verdict = force_verdict
 
     def open(self, options: RequestOptions | None) -> TailRequest:
         options = options or RequestOptions()
@@ -233,18 +254,35 @@ class Tail:
         self._verify(jobs, normed)
         mtp_jobs = [j for j in jobs if j.state.mtp_cache is not None]
         # The next step's depth, from the verdicts before this one: known before the sync, a
-        # request that will not draft costs no lm_head row for a draft.
+        # request that will not draft costs no lm_head row for a draft (nor, under `auto`, an
+        # MTP head pass).
         positions = sum(len(s.tokens) for s in steps)
+        context = batch_context(s.position + len(s.tokens) for s in steps) if mtp_jobs else 0
         for job in mtp_jobs:
             if job.candidates is not None or job.replays:
                 others = positions - len(job.step.tokens)
-                job.depth = job.state.depth.next_depth(self.step_cost, others)
+                job.depth = job.state.depth.next_depth(self.step_cost, others, context)
             job.state.discard_speculative()
             self._pair(job, mtp_input)
+            _hold_or_feed(job)
         self._draft([j for j in mtp_jobs if j.mtp_tokens is not None])
         if start:
             mx.async_eval([a for job in jobs for a in job.arrays()])
         return jobs
+
+    def feed_unfed(self, state: TailRequest) -> None:
+        """Run the MTP head over the pairs a request held back (`TailRequest.unfed`): its
+        cache then holds every confirmed pair, as a prefix snapshot reads it."""
+        if not state.unfed or state.mtp_cache is None:
+            return
+        hidden = mx.concatenate([h for h, _ in state.unfed], axis=1)
+        tokens = mx.concatenate([t for _, t in state.unfed])
+        state.unfed = ()
+        state.discard_speculative()
+        pairs = tokens.size
+        state.mtp_cache.begin_step(0, pairs)
+        segment = Segment(state.mtp_cache, pairs, pairs)
+        mx.eval(self.shard.mtp(self.shard.embed(tokens[None]), hidden, [segment]))
 
     def conclude(self, jobs: list[TailJob]) -> list[StepResult]:
         """Wait for the launched work (one sync for the batch), read the verdicts and chain
@@ -266,10 +304,11 @@ class Tail:
         step, state, c = job.step, job.state, job.candidates
         if c is None or step.token_masks:
             return None
-        if state.mtp_cache is None:
+        if state.mtp_cache is None or (job.depth == 0 and step.draft_len == 0):
+            # Nothing drafted, nothing to verify: its token is the next step.
             return NextInput(c.target[-1:], 0, 0, None) if step.draft_len == 0 else None
         greedy = state.options.sampling.greedy
-        if not before_verdict or not greedy or state.depth.mode == "auto" or job.depth > 1:
+        if not before_verdict or not greedy or job.depth > 1:
             return None
         # Greedy: the last token emitted is the target's at the first rejected draft (its
         # correction), or after the last draft (the bonus).
@@ -390,7 +429,10 @@ class Tail:
                 token, q = job.draft
                 state.drafts, state.draft_logprobs = (int(token.item()),), q[None]
             return
-        job.emitted, job.accepted = decide(job.candidates, step.tokens[step.n_confirmed :])
+        forced = None
+        if self.force_verdict is not None and step.draft_len:
+            forced = self.force_verdict(step)
+        job.emitted, job.accepted = decide(job.candidates, step.tokens[step.n_confirmed :], forced)
         job.keep = step.n_confirmed + job.accepted
         state.recent_start = step.position + step.n_confirmed - 1
         if state.mtp_cache is not None:
@@ -464,6 +506,22 @@ class Tail:
             step.request_id, job.emitted, job.keep, job.state.drafts,
             step.draft_len, job.accepted, job.emitted_logprobs, job.emitted_top,
         )  # fmt: skip
+
+
+def _hold_or_feed(job: TailJob) -> None:
+    """Under `auto`, hold back the pairs of a step without drafts after which no draft is
+    due (the MTP head does not run for them); otherwise feed the held ones with the step's."""
+    state = job.state
+    if job.mtp_tokens is None:
+        return
+    lazy = state.depth.mode == "auto" and job.depth == 0 and job.step.draft_len == 0
+    if lazy and job.candidates is not None:
+        state.unfed = (*state.unfed, (job.mtp_hidden, job.mtp_tokens))
+        job.mtp_tokens = job.mtp_hidden = None
+    elif state.unfed:
+        job.mtp_hidden = mx.concatenate([*(h for h, _ in state.unfed), job.mtp_hidden], axis=1)
+        job.mtp_tokens = mx.concatenate([*(t for _, t in state.unfed), job.mtp_tokens])
+        state.unfed = ()
 
 
 def _likeliest(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array] | None:

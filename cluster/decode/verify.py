@@ -63,11 +63,20 @@ def propose(
     return Candidates(target, accept, correction)
 
 
-def decide(candidates: Candidates, drafts: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """The emitted tokens and how many drafts were accepted (candidates evaluated)."""
+def decide(
+    candidates: Candidates, drafts: tuple[int, ...], forced: int | None = None
+) -> tuple[tuple[int, ...], int]:
+    """The emitted tokens and how many drafts were accepted (candidates evaluated). `forced`
+    (tests and benchmarks): accept that many drafts whatever the candidates say, then emit
+    the target's token after them (the correction where a draft is refused)."""
     target = candidates.target.tolist()
     if not drafts:
         return (target[0],), 0
+    if forced is not None:
+        i = min(max(forced, 0), len(drafts))
+        if i == len(drafts):
+            return (*drafts, target[i]), i
+        return (*drafts[:i], int(candidates.correction[i].item())), i
     accept = candidates.accept.tolist()
     correction = candidates.correction.tolist()
     for i in range(len(drafts)):

@@ -44,9 +44,9 @@ class MLXWorker:
 
     After each job the thread stays awake for `spin_s` seconds (by default `default_spin_s`)
     before it sleeps on its queue. A node of a pipeline waits for the other nodes before every
-    step, and on the GPU hosts measured a step that follows a wait asleep builds its graph up
-    to a third slower than one back to back (the host, not the GPU: BENCHMARKS.md run AK);
-    kept awake, two nodes ran about 7 % faster side by side (run AL). The busy wait releases
+    step, and a step that follows a wait asleep builds its graph markedly slower than one back
+    to back (the host's wake-up, not the GPU), so kept awake, nodes side by side step faster.
+    The busy wait releases
     the GIL (`busy_without_gil`), so the event loop that hands the next job over never waits
     for it.
 
@@ -62,7 +62,7 @@ class MLXWorker:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._closed = False
         # Called before each job is queued, on the submitting thread: a node's stage releases
-        # its doorbell there (cluster.decode.doorbell), since a step launched behind it may
+        # its doorbell there (cluster.decode.late_input), since a step launched behind it may
         # hold this thread until it is rung.
         self.before_submit: Callable[[], None] | None = None
         threading.Thread(target=self._serve, name="mlx", daemon=True).start()

@@ -40,6 +40,9 @@ class SSH:
         options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
         if self.config is not None:
             options += ["-F", str(self.config)]
+        target, port = destination(target)
+        if port is not None:
+            options += ["-p", port]
         # One string: the remote shell splits it, so every word is quoted once here.
         return [self.binary, *options, "--", target, " ".join(remote)]
 
@@ -58,6 +61,20 @@ class SSH:
         except subprocess.TimeoutExpired:
             return SSHResult(SSH_FAILED, "", f"no answer within {timeout:.0f} s")
         return SSHResult(done.returncode, done.stdout, done.stderr)
+
+
+def destination(target: str) -> tuple[str, str | None]:
+    """A cluster file's ssh target as `ssh` takes it, and a port where the target has one.
+
+    IPv6 addresses are written bracketed (`root@[fe80::1]`, `[fe80::1]:2222`), which `ssh`
+    does not resolve: the brackets go and the port becomes `-p`. Anything else is passed on
+    as written (aliases, `user@host`, a bare IPv6 address, `ssh://` URIs)."""
+    user, at, host = target.rpartition("@")
+    if not host.startswith("[") or "]" not in host:
+        return target, None
+    address, _, rest = host[1:].partition("]")
+    port = rest[1:] if rest.startswith(":") and rest[1:].isdigit() else None
+    return f"{user}{at}{address}", port
 
 
 def remote_words(command: str, *args: str) -> list[str]:

@@ -14,10 +14,10 @@ steady batch pays no per-request gather and scatter in each layer and step.
 
 A step built before the verdict of the step before it is read (`cluster.decode.runner`, steps
 built ahead) finds the caches holding every position of that step, drafts included, and a
-`Verdicts` of how many drafts each request kept, on the device. `defer_verdicts` applies it
+`PendingVerdicts` of how many drafts each request kept, on the device. `defer_verdicts` applies it
 there: a GatedDeltaNet layer takes the state the verdict picks (one `mx.where` per state for
 the batch); an attention cache keeps the rejected drafts' keys as a hole that the new step's
-attention masks out (its positions move back by the drop, `Verdicts.offsets`). Once the host
+attention masks out (its positions move back by the drop, `PendingVerdicts.offsets`). Once the host
 reads the verdict, `RequestCache.resolve` closes the hole: the new step's keys move down over
 it. A step built ahead and not asked for is still undone by a `mark` and `restore`: before the
 verdict is read nothing is written below the positions the caches held, and after it only the
@@ -116,7 +116,7 @@ def _row_mask(rows: tuple[bool, ...], ndim: int) -> mx.array:
     return mx.array(rows).reshape(len(rows), *([1] * (ndim - 1)))
 
 
-class Verdicts:
+class PendingVerdicts:
     """How many drafts each request of a step kept, on the device, for the step built after it
     before the host has read them. Row i is request i of that step; `undecided[i]` its drafts
     (the verdict keeps 0 to all of them). The masks and offsets derived from it are made once
@@ -182,21 +182,21 @@ class Verdicts:
 
 
 @dataclass(frozen=True, slots=True)
-class Deferred:
+class DeferredVerdict:
     """A request's caches waiting for the verdict of its last step: row `row` of `verdicts`.
     `hole_end` is the positions the caches held when it was deferred."""
 
-    verdicts: Verdicts
+    verdicts: PendingVerdicts
     row: int
     hole_end: int
 
 
-def defer_verdicts(caches: list[RequestCache], verdicts: Verdicts, rows: list[int]) -> None:
+def defer_verdicts(caches: list[RequestCache], verdicts: PendingVerdicts, rows: list[int]) -> None:
     """Apply, on the device, each cache's share of `verdicts` (`rows[i]` is cache i's row):
     see the module's docstring. Before the step that follows."""
     by_drafts: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
-        caches[i].deferred = Deferred(verdicts, row, caches[i].position)
+        caches[i].deferred = DeferredVerdict(verdicts, row, caches[i].position)
         if verdicts.undecided[row]:
             by_drafts.setdefault(verdicts.undecided[row], []).append(i)
     for drafts, members in by_drafts.items():
@@ -215,7 +215,7 @@ def _select_kept(
     slot: int,
     part: int,
     drafts: int,
-    verdicts: Verdicts,
+    verdicts: PendingVerdicts,
 ) -> None:
     """Layer `slot`'s state `part` of each cache of `group` (all with `drafts` undecided
     drafts) as the verdict leaves it: after the last step, or its snapshot at the kept length."""
@@ -251,7 +251,7 @@ class RequestCache:
     position: int = 0  # positions held in the caches
     # A verdict applied on the device, not yet read (`defer_verdicts`): until `resolve`,
     # `position` counts the positions its hole will give back.
-    deferred: Deferred | None = None
+    deferred: DeferredVerdict | None = None
 
     @classmethod
     def for_layers(cls, linear_flags: list[bool]) -> RequestCache:

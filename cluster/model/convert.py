@@ -27,6 +27,13 @@ Measured on the bundled model (draft acceptance, teacher-forced over 1532 positi
 code), quantizing it changed nothing beyond noise (8 bits: 0.627 kept vs 0.627 quantized;
 4 bits: 0.607 vs 0.606), so either choice is defensible; keeping it is the conservative one.
 `quantize_mtp_fc=True` quantizes it.
+
+`mtp_from` grafts the MTP head of another checkpoint of the same model (the original Hugging
+Face release, whose `mtp.*` mlx-lm's conversions drop) into the output: its tensors are read and
+transformed as the loader reads them, cast to the output's dtype, and quantized as this
+conversion quantizes (with `q_bits`, or as the source is quantized), so the result is what
+converting the original would have written. Only the files that hold `mtp.*` are read (and,
+for a repo id, fetched).
 """
 
 from __future__ import annotations
@@ -41,13 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
+from cluster.model import loading
 from cluster.model.loading import CheckpointIndex, load_shard
+from cluster.model.mtp import MTPHead
 from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -85,12 +93,14 @@ def convert(
     dtype: str | None = None,
     force: bool = False,
     quantize_mtp_fc: bool = False,
+    mtp_from: str | Path | None = None,
 ) -> Path:
     """Convert the model directory `src` into `dst` and return `dst`.
 
     `dtype` casts every floating tensor but A_log (default: the dtype the config declares,
     else the embedding's). `force` replaces a non-empty `dst`. `quantize_mtp_fc` quantizes
-    `mtp.fc` like the other Linears (off by default: see the module docstring).
+    `mtp.fc` like the other Linears (off by default: see the module docstring). `mtp_from`
+    (a directory or Hugging Face repo id) gives the MTP head instead of `src`'s own.
     The output is written next to `dst` and moved into place when complete, so a failed
     conversion leaves no half-written directory behind.
     """
@@ -101,14 +111,19 @@ def convert(
     _check_destination(src, dst, force)
     target = getattr(mx, dtype) if dtype else _source_dtype(config, index)
     quantizer = Quantizer(q_bits, q_group_size, quantize_mtp_fc) if q_bits else None
+    if quantizer is None and config.quantization:  # grafted tensors quantized as the source
+        q = config.quantization
+        quantizer = Quantizer(q.get("bits", 4), q.get("group_size", 64), quantize_mtp_fc)
+        quantizer.overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
+    mtp_dir = _mtp_source(config, mtp_from) if mtp_from is not None else None
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     work = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
-        files = _write_weights(config, work, target, quantizer)
+        files = _write_weights(config, work, target, quantizer, mtp_dir)
         quantization = quantizer.config() if quantizer else config.quantization
-        _write_config(config, work / "config.json", target, quantization)
+        _write_config(config, work / "config.json", target, quantization, mtp_dir)
         for name in COPIED_FILES:
             if (config.path / name).is_file():
                 shutil.copyfile(config.path / name, work / name)
@@ -123,22 +138,79 @@ def convert(
 
 
 def _write_weights(
-    config: ModelConfig, out: Path, dtype: mx.Dtype, quantizer: Quantizer | None
+    config: ModelConfig,
+    out: Path,
+    dtype: mx.Dtype,
+    quantizer: Quantizer | None,
+    mtp_dir: Path | None = None,
 ) -> int:
-    """Load, cast, quantize and write one decoder layer at a time; returns the file count."""
+    """Load, cast, quantize and write one decoder layer at a time, then the MTP head of
+    `mtp_dir` when given (in place of the source's own); returns the file count. A source
+    quantized already is written as it is (`quantizer` then serves the graft only)."""
     writer = ShardWriter(out)
+    requantize = quantizer is not None and not config.quantization
     for spec in _layer_specs(config.num_layers):
-        shard = load_shard(config.path, spec)
+        shard = load_shard(config.path, spec, mtp=mtp_dir is None)
         _cast(shard, dtype)
-        if quantizer:
+        if requantize:
             quantizer.apply(shard)
         for name, value in tree_flatten(shard.parameters()):
             if name.startswith("embed_tokens.") and not spec.is_head:
                 continue  # the tail's copy of the head's embedding
             writer.add(mlx_name(name, spec), value)
         del shard
+    if mtp_dir is not None:
+        head = _MTPOnly(mtp_dir, config.num_layers)
+        _cast(head, dtype)
+        if quantizer:
+            quantizer.apply(head)
+        for name, value in tree_flatten(head.parameters()):
+            writer.add(name, value)
     writer.finish()
     return len(writer.files)
+
+
+def _mtp_source(config: ModelConfig, mtp_from: str | Path) -> Path:
+    """The directory of the MTP head to graft (a repo id fetched as far as its `mtp.*` files),
+    checked to be an unquantized head of this very model."""
+    from cluster.hub import resolve_mtp_source
+
+    try:
+        source = load_model_config(resolve_mtp_source(mtp_from))
+    except ModelDirError as error:
+        raise ConvertError(f"--mtp-from {mtp_from}: {error}") from None
+    if source.mtp_layers < 1 or not CheckpointIndex.read(source.path).has_mtp:
+        raise ConvertError(f"--mtp-from {mtp_from}: it has no mtp.* tensors to graft")
+    if source.quantization or source.raw.get("quantization_config"):
+        raise ConvertError(
+            f"--mtp-from {mtp_from} is quantized: graft from the original (unquantized) release"
+        )
+    shape = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "intermediate_size")  # fmt: skip
+    for name in shape:
+        if getattr(source.text, name, None) != getattr(config.text, name, None):
+            raise ConvertError(
+                f"--mtp-from {mtp_from} is another model than {config.path}: {name} "
+                f"{getattr(source.text, name, None)} vs {getattr(config.text, name, None)}"
+            )
+    return source.path
+
+
+class _MTPOnly(nn.Module):
+    """The MTP head of the model in `path`, alone, its tensors read and transformed as the
+    loader reads a tail's (`cluster.model.loading`), under the names a shard gives them."""
+
+    def __init__(self, path: Path, num_layers: int):
+        super().__init__()
+        config = load_model_config(path)
+        self.spec = ShardSpec(num_layers - 1, num_layers, is_head=False, is_tail=True)
+        self.mtp = MTPHead(config.text, config.mtp_layers)
+        wanted = dict(tree_flatten(self.parameters()))
+        index = CheckpointIndex.read(config.path)
+        weights = loading._read_weights(index, self.spec, set(wanted), config)
+        weights = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+        loading._check_complete(wanted, weights, config.path, self.spec)
+        self.load_weights(list(weights.items()), strict=True)
 
 
 def mlx_name(name: str, spec: ShardSpec) -> str:
@@ -266,9 +338,17 @@ def _source_dtype(config: ModelConfig, index: CheckpointIndex) -> mx.Dtype:
 
 
 def _write_config(
-    config: ModelConfig, path: Path, dtype: mx.Dtype, quantization: dict[str, Any] | None
+    config: ModelConfig,
+    path: Path,
+    dtype: mx.Dtype,
+    quantization: dict[str, Any] | None,
+    mtp_dir: Path | None = None,
 ) -> None:
     out = json.loads(json.dumps(config.raw))  # a deep copy
+    if mtp_dir is not None:  # the grafted head's size, where the source's config lost it
+        mtp_layers = load_model_config(mtp_dir).mtp_layers
+        section = out["text_config"] if isinstance(out.get("text_config"), dict) else out
+        section["mtp_num_hidden_layers"] = mtp_layers
     for key in ("_name_or_path", "vision_config", "quantization", "quantization_config"):
         out.pop(key, None)
     name = _dtype_name(dtype)
@@ -314,36 +394,3 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
         raise ConvertError(f"the destination {dst} exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise ConvertError(f"the destination {dst} is not empty (pass --force to replace it)")
-
-
-@click.command("convert")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--q-bits", type=click.Choice(["4", "8"]), help="Quantize to this many bits.")
-@click.option(
-    "--q-group-size",
-    type=click.Choice(["32", "64", "128"]),
-    default="64",
-    show_default=True,
-    help="Quantization group size.",
-)
-@click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: as SRC).")
-@click.option("--force", is_flag=True, help="Replace DST if it is not empty.")
-def convert_command(
-    src: Path, dst: Path, q_bits: str | None, q_group_size: str, dtype: str | None, force: bool
-) -> None:
-    """Convert the Qwen3.5 checkpoint SRC (Hugging Face or MLX) to an MLX directory DST that
-    keeps the MTP head."""
-    try:
-        out = convert(
-            src,
-            dst,
-            q_bits=int(q_bits) if q_bits else None,
-            q_group_size=int(q_group_size),
-            dtype=dtype,
-            force=force,
-        )
-    except (ModelDirError, ConvertError) as error:
-        raise click.ClickException(str(error)) from None
-    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    click.echo(f"wrote {out} ({size / 2**30:.2f} GiB)")

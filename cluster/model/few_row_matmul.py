@@ -2,12 +2,9 @@
 
 A decode step multiplies a few rows (one token, a verify step `[y, d]`, a draft of depth 2) by
 every weight matrix of the model, so its time should be the time to read the weights once.
-MLX CUDA's own kernels do not get there (MLX 0.32.4, 27B shape, 4 bits; BENCHMARKS.md, issue
-10, runs N and Q): its one-row kernel reads about 0.7 TB/s and it pays per row from 2 to 7 rows
-(17408x5120 on an H100: 0.068 / 0.119 / 0.211 ms at 1 / 2 / 4 rows). This kernel reads each
-weight once for all rows (up to 32; the model's layers use it up to `MAX_ROWS`): 0.042 /
-0.050 / 0.066 ms there, and the 27B backbone's verify step took 24.9 ms against 35.0 with
-MLX's kernels (the one-token step 20.4 against 20.9-24.4). Its design:
+MLX CUDA's own kernels do not get there: its one-row kernel reads well below the memory's
+bandwidth and it pays per row from 2 to 7 rows. This kernel reads each weight once for all rows
+(up to 32; the model's layers use it up to `MAX_ROWS`). Its design:
 
 - a warp computes `ROWS_PER_WARP` output columns; each lane takes 32 consecutive inputs (one
   16-byte load of 4-bit weights per column, half a quantization group of 64) per step along
@@ -25,13 +22,15 @@ step of the same token bit for bit, which keeps greedy decoding with MTP identic
 without it on this path too.
 
 A batch's steps of 4 to 32 rows at 4 bits take the tensor-core kernel
-(`cluster.model.tensor_core_matmul`), under the same switch. On where they run (CUDA:
-`available`, `enabled`); Metal and the CPU keep MLX's kernels. It takes
-affine quantization at 4 or 8 bits with groups of 32, 64 or 128, inputs of 2-byte floats
-whose width is a multiple of 32, and scales of the input's dtype; anything else, and steps of
-more than `MAX_ROWS` rows, go to `mx.quantized_matmul`. Applied at load
-(`cluster.model.loading.load_shard(..., for_decoding=True)`) by `use_few_row_kernel`, which
-swaps each eligible `nn.QuantizedLinear` for a `FewRowQuantizedLinear` over the same arrays.
+(`cluster.model.tensor_core_matmul`) on the same layers. They run on CUDA (`available`), where
+a shard's `DecodeFastPath.few_row_kernel` (`cluster.model.fast_path`) asks for them; Metal and
+the CPU keep MLX's kernels. It takes affine quantization at 4 or 8 bits with groups of 32, 64
+or 128, inputs of 2-byte floats whose width is a multiple of 32, and scales of the input's
+dtype; anything else, and steps of rows neither kernel takes, go to `mx.quantized_matmul`.
+Applied at load (`cluster.model.loading.load_shard(..., for_decoding=True)`) by
+`use_few_row_kernel`, which swaps each eligible `nn.QuantizedLinear` for a
+`FewRowQuantizedLinear` over the same arrays; a shard loaded without the kernel keeps MLX's
+`nn.QuantizedLinear`.
 """
 
 from __future__ import annotations
@@ -46,14 +45,12 @@ from mlx.utils import tree_map
 from cluster.model import tensor_core_matmul
 
 __all__ = [
-    "MAX_ROWS", "FewRowQuantizedLinear", "available", "enabled", "few_row_quantized_matmul",
-    "set_enabled", "use_few_row_kernel",
+    "MAX_ROWS", "FewRowQuantizedLinear", "available", "few_row_quantized_matmul",
+    "use_few_row_kernel", "use_mlx_kernels",
 ]  # fmt: skip
 
-# Measured on an H100 (run Q): the kernel is memory-bound up to 2-4 rows and compute-bound
-# after (17408x5120 per call: 0.042 / 0.050 / 0.066 / 0.111 ms at 1 / 2 / 4 / 8 rows, MLX's
-# 0.068 / 0.119 / 0.211 / 0.059); the 27B backbone's 4-row step ran faster padded to 8 rows for
-# MLX's GEMM (`cluster.model.row_padding`) than on the kernel.
+# The kernel is memory-bound up to a few rows and compute-bound after, where MLX's GEMM on rows
+# padded to 8 (`cluster.model.row_padding`) or the tensor-core kernel computes them cheaper.
 MAX_ROWS = 3
 ROWS_PER_WARP = 4  # output columns per warp: each loaded input row serves this many
 THREADS_PER_BLOCK = 128
@@ -193,24 +190,10 @@ _SOURCE = """
   }
 """
 
-_override: bool | None = None
-
 
 def available() -> bool:
     """Whether the kernel can run here: MLX on CUDA."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
-def set_enabled(on: bool | None) -> None:
-    """Force the kernel on or off for the calls from now on (None: on where it is
-    `available`); off, a `FewRowQuantizedLinear` is an `nn.QuantizedLinear`. Compiled steps
-    traced before keep what they traced (`cluster.model.layers` keys its traces by this)."""
-    global _override
-    _override = on
-
-
-def enabled() -> bool:
-    return available() if _override is None else _override
 
 
 @functools.cache
@@ -259,7 +242,8 @@ def few_row_quantized_matmul(
 class FewRowQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose steps of up to `MAX_ROWS` rows run the few-row kernel, and
     at 4 bits those of `tensor_core_matmul.MIN_ROWS` to `tensor_core_matmul.MAX_ROWS` rows (a
-    batch's decode or verify step) the tensor-core kernel."""
+    batch's decode or verify step) the tensor-core kernel, where they run (`available`);
+    anything else computes as `nn.QuantizedLinear` does."""
 
     @staticmethod
     def supports(layer: nn.Module) -> bool:
@@ -290,7 +274,7 @@ class FewRowQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if not (enabled() and x.dtype == self["scales"].dtype):
+        if not (available() and x.dtype == self["scales"].dtype):
             return super().__call__(x)
         arrays = (x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"])
         if 1 <= rows <= MAX_ROWS:
@@ -316,6 +300,30 @@ def use_few_row_kernel(module: nn.Module) -> int:
             return layer
         swapped += 1
         return FewRowQuantizedLinear.like(layer)
+
+    leaves = tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
+    module.update_modules(leaves)
+    return swapped
+
+
+def use_mlx_kernels(module: nn.Module) -> int:
+    """Undo `use_few_row_kernel`: every `FewRowQuantizedLinear` under `module` back to an
+    `nn.QuantizedLinear` over the same arrays, in place; returns how many were swapped."""
+    swapped = 0
+
+    def swap(layer: nn.Module) -> nn.Module:
+        nonlocal swapped
+        if not isinstance(layer, FewRowQuantizedLinear):
+            return layer
+        swapped += 1
+        plain = nn.QuantizedLinear(
+            layer.group_size, 1, bias="bias" in layer, group_size=layer.group_size,
+            bits=layer.bits, mode=layer.mode,
+        )  # fmt: skip
+        for name, value in layer.items():
+            setattr(plain, name, value)
+        plain.freeze()
+        return plain
 
     leaves = tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
     module.update_modules(leaves)

@@ -1,15 +1,11 @@
 """GatedDeltaNet's recurrence over a step's positions as one CUDA kernel.
 
 On MLX CUDA a decode step is bound by the host: MLX dispatches every primitive of the step's
-graph on the calling thread, a few microseconds each (BENCHMARKS.md, issue 10). mlx-lm's
-recurrence on the ops path (CUDA and the CPU; Metal has mlx-lm's own kernel) is some 27
-primitives per position and layer even compiled (slices, squeezes, expand_dims, two sums,
-fused elementwise kernels). At the 27B shape (48 GatedDeltaNet layers of 64) the backbone's
-graph held 4,194 primitives at one position and 5,938 at a verify step's two; with this kernel
-2,946 and 3,106, since it is one primitive whatever the step's length and writes the states a
-rejected draft restores (`snapshot_at`) as it passes them. Measured side by side on an H200
-(run AI, six interleaved rounds): bf16 verify step 26.0 -> 21.1 ms (1.40x -> 1.26x a plain
-one), MTP on 1.17x the tokens/s; 4 bits 26.2 -> 18.8 ms (1.50x -> 1.25x), MTP on 1.30x.
+graph on the calling thread, a few microseconds each. mlx-lm's recurrence on the ops path (CUDA
+and the CPU; Metal has mlx-lm's own kernel) is some 27 primitives per position and layer even
+compiled (slices, squeezes, expand_dims, two sums, fused elementwise kernels); this kernel is
+one primitive whatever the step's length, and writes the states a rejected draft restores
+(`snapshot_at`) as it passes them.
 
 Its design: one warp per (request, value head, value column). Lane `i` holds the column's
 state entries `[i * DK / 32, (i + 1) * DK / 32)` along the key axis in registers, so the
@@ -20,9 +16,10 @@ order. Each position is computed alike whatever the step's length, so the first 
 a verify step equals the plain step of its token bit for bit (what keeps greedy decoding with
 MTP identical to decoding without it).
 
-On where it runs (CUDA: `available`; `enabled`, which `set_enabled` overrides). It takes key
-head dims that are multiples of 32 up to 256, value heads a multiple of the key heads, a
-float32 state, and snapshot points below 32; anything else runs the ops (`takes`).
+It runs on CUDA (`available`), where a shard's `DecodeFastPath.recurrence_kernel`
+(`cluster.model.fast_path`) asks for it. It takes key head dims that are multiples of 32 up to
+256, value heads a multiple of the key heads, a float32 state, and snapshot points below 32;
+anything else runs the ops (`takes`).
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-__all__ = ["available", "enabled", "gated_delta_recurrence", "set_enabled", "takes"]
+__all__ = ["available", "gated_delta_recurrence", "takes"]
 
 WARPS_PER_BLOCK = 4  # value columns per block
 MAX_SNAPSHOT_POSITION = 31  # snapshot points travel as the bits of one template constant
@@ -115,33 +112,18 @@ _SOURCE = """
   }
 """
 
-_override: bool | None = None
-
 
 def available() -> bool:
     """Whether the kernel can run here: MLX on CUDA."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def set_enabled(on: bool | None) -> None:
-    """Force the kernel on or off for the steps built from now on (None: on where it is
-    `available`). Compiled steps traced before keep what they traced: their callers key the
-    traces by `enabled()`."""
-    global _override
-    _override = on
-
-
-def enabled() -> bool:
-    return available() if _override is None else _override
-
-
 def takes(q: mx.array, v: mx.array, state: mx.array, snapshot_at: tuple[int, ...]) -> bool:
-    """Whether the kernel is on and computes this recurrence (shapes as in
+    """Whether the kernel runs here and computes this recurrence (shapes as in
     `gated_delta_recurrence`)."""
     length, k_heads, k_dim = q.shape[1:]
     return (
-        enabled()
-        and available()
+        available()
         and k_dim % 32 == 0
         and k_dim <= 256
         and v.shape[2] % k_heads == 0

@@ -33,8 +33,10 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_5 import Attention, DecoderLayer, GatedDeltaNet, TextModelArgs
 
-from cluster.model import compiled, few_row_matmul, gated_delta_kernel
+from cluster.model import gated_delta_kernel
 from cluster.model.cache import RequestCache, batch_rows, stack_rows
+from cluster.model.compiled_steps import MAX_COMPILED_POSITIONS, compile_bound
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.kv_slab import KVSlab, visible
 from cluster.model.row_padding import pad_rows
 
@@ -79,7 +81,32 @@ def _join(parts: list[mx.array]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
+@dataclass(frozen=True, slots=True)
+class CoreStep:
+    """What `gdn_core` takes as constants (hashable: a compiled call is traced per value):
+    `dims` (key heads, value heads, key head dim, value head dim), the step's `snapshot_at`
+    (record the state after each of these prefixes) and whether the recurrence runs the
+    backend's fused `kernel`."""
+
+    dims: tuple[int, int, int, int]
+    snapshot_at: tuple[int, ...]
+    kernel: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def core_step(
+    dims: tuple[int, int, int, int], length: int, n_confirmed: int, kernel: bool
+) -> CoreStep:
+    """The `CoreStep` of a step of `length` positions, the first `n_confirmed` confirmed: the
+    state is recorded after each confirmed prefix, which a rejected draft restores. Made once
+    per shape and shared by every layer."""
+    return CoreStep(dims, tuple(range(n_confirmed, length)), kernel)
+
+
 class PackedGatedDeltaNet(GatedDeltaNet):
+    # The shard's choice (`PackedDecoderLayer.use_fast_path`); the plain ops until given one.
+    fast_path = DecodeFastPath()
+
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """qkv, z, b, a of the packed input."""
         if "in_proj" in self:  # fused at load (cluster.model.fused)
@@ -112,23 +139,19 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         slot: int,
     ) -> mx.array:
         conv_state, state = self.states(segs, slot, qkv.dtype)
-        # Record the state after each confirmed prefix: a rejected draft restores one of those.
-        snapshot_at = tuple(range(n_confirmed, length))
-        dims = self.dims
-        one = len(segs) == 1
-        if (one and compiled.enabled(length)) or (not one and compiled.batches_enabled(length)):
-            core = compiled.compiled(
-                gdn_core, dims=dims, snapshot_at=snapshot_at,
-                use_kernel=gated_delta_kernel.enabled(),  # CUDA's kernel traced in or not
-            )  # fmt: skip
-        else:
-            core = functools.partial(
-                gdn_core, dims=dims, snapshot_at=snapshot_at, use_kernel=not self.training
+        fast = self.fast_path
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias)
+        compiled = fast.compiled_steps if len(segs) == 1 else fast.compiled_batches
+        if compiled and length <= MAX_COMPILED_POSITIONS:
+            step = core_step(self.dims, length, n_confirmed, fast.recurrence_kernel)
+            out, *new_states = compile_bound(gdn_core, step=step)(
+                qkv, a, b, conv_state, state, weights
             )
-        out, *new_states = core(
-            qkv, a, b, conv_state, state, self.conv1d.weight, self.A_log, self.dt_bias
-        )
-        self.store(segs, slot, snapshot_at, new_states)
+        else:
+            kernel = fast.recurrence_kernel and not self.training
+            step = core_step(self.dims, length, n_confirmed, kernel)
+            out, *new_states = gdn_core(qkv, a, b, conv_state, state, weights, step=step)
+        self.store(segs, slot, step.snapshot_at, new_states)
         return out
 
     @property
@@ -166,21 +189,18 @@ def gdn_core(
     b: mx.array,
     conv_state: mx.array,
     state: mx.array,
-    conv_weight: mx.array,
-    A_log: mx.array,
-    dt_bias: mx.array,
+    weights: tuple[mx.array, mx.array, mx.array],
     *,
-    dims: tuple[int, int, int, int],
-    snapshot_at: tuple[int, ...],
-    use_kernel: bool,
+    step: CoreStep,
 ) -> tuple[mx.array, ...]:
     """GatedDeltaNet between its projections, as a function of arrays alone (so that it can be
-    compiled, `cluster.model.compiled`): the causal conv over the conv state and the step's
-    `qkv`, q/k normalization, the gated delta recurrence. `dims` is (key heads, value heads,
-    key head dim, value head dim). Returns (out [B, L, Hv, Dv], the new conv state, the new
-    recurrent state, the conv state after each `snapshot_at` prefix, the recurrent state after
-    each)."""
-    n_k, n_v, d_k, d_v = dims
+    compiled, `cluster.model.compiled_steps`): the causal conv over the conv state and the
+    step's `qkv`, q/k normalization, the gated delta recurrence. `weights` are the layer's
+    (conv1d weight, A_log, dt_bias). Returns (out [B, L, Hv, Dv], the new conv state, the new
+    recurrent state, the conv state after each `step.snapshot_at` prefix, the recurrent state
+    after each)."""
+    conv_weight, A_log, dt_bias = weights
+    n_k, n_v, d_k, d_v = step.dims
     batch, length, conv_dim = qkv.shape
     n_keep = conv_state.shape[1]
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -197,12 +217,8 @@ def gdn_core(
         )
     )
     q, k = normalize_qk(q, k, inv_scale=d_k**-0.5, eps=1e-6)
-    snapshots: dict[int, mx.array] = {}
-    out, state = _recurrence(
-        q, k, v, a, b, A_log, dt_bias, state, snapshot_at, snapshots, use_kernel=use_kernel
-    )
-    snap_convs = [conv_input[:, keep : keep + n_keep] for keep in snapshot_at]
-    snap_states = [snapshots[keep] for keep in snapshot_at]
+    out, state, snap_states = _recurrence(q, k, v, a, b, (A_log, dt_bias), state, step)
+    snap_convs = [conv_input[:, keep : keep + n_keep] for keep in step.snapshot_at]
     conv = mx.contiguous(conv_input[:, -n_keep:])
     return out, conv, state, *snap_convs, *snap_states
 
@@ -213,25 +229,25 @@ def _recurrence(
     v: mx.array,
     a: mx.array,
     b: mx.array,
-    A_log: mx.array,
-    dt_bias: mx.array,
+    decay: tuple[mx.array, mx.array],
     state: mx.array,
-    snapshot_at: tuple[int, ...],
-    snapshots: dict[int, mx.array],
-    *,
-    use_kernel: bool,
-) -> tuple[mx.array, mx.array]:
-    """mlx-lm's gated delta recurrence over all positions, keeping in `snapshots` the state
-    after the first `keep` positions for each `keep` in `snapshot_at`.
+    step: CoreStep,
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """mlx-lm's gated delta recurrence over all positions, with the layer's `decay` parameters
+    (A_log, dt_bias). Returns (out, the state after the last position, the state after the
+    first `keep` positions for each `keep` in `step.snapshot_at`, in that order).
 
-    `use_kernel` takes the backend's fused kernel where there is one. With Metal's (mlx-lm's)
+    `step.kernel` takes the backend's fused kernel where there is one. With Metal's (mlx-lm's)
     the sequence runs in pieces that end at the snapshot points; CUDA's
     (`cluster.model.gated_delta_kernel`) writes the snapshots as it passes them. The ops path
     (the CPU, or no kernel) steps one position at a time anyway, so it runs mlx-lm's own step
     function in one loop and picks the states up as they pass: no extra work for a draft.
     """
+    A_log, dt_bias = decay
+    snapshot_at = step.snapshot_at
     length = q.shape[1]
-    if use_kernel and mx.default_device() == mx.gpu and mx.metal.is_available():
+    if step.kernel and mx.default_device() == mx.gpu and mx.metal.is_available():
+        snapshots = []
         outs, begin = [], 0
         for keep in [*snapshot_at, length]:
             out, state = gated_delta_update(
@@ -240,26 +256,22 @@ def _recurrence(
             )  # fmt: skip
             outs.append(out)
             if keep < length:
-                snapshots[keep] = state
+                snapshots.append(state)
             begin = keep
-        return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)), state
+        return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)), state, snapshots
     beta = mx.sigmoid(b)
     g = compute_g(A_log, a, dt_bias)
-    if use_kernel and gated_delta_kernel.takes(q, v, state, snapshot_at):
-        out, state, kept = gated_delta_kernel.gated_delta_recurrence(
-            q, k, v, g, beta, state, snapshot_at
-        )
-        snapshots.update(zip(snapshot_at, kept, strict=True))
-        return out, state
+    if step.kernel and gated_delta_kernel.takes(q, v, state, snapshot_at):
+        return gated_delta_kernel.gated_delta_recurrence(q, k, v, g, beta, state, snapshot_at)
     if (repeat := v.shape[-2] // q.shape[-2]) > 1:
         q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    ys = []
+    ys, snapshots = [], []
     for t in range(length):
         if t in snapshot_at:
-            snapshots[t] = state
+            snapshots.append(state)
         y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         ys.append(y)
-    return mx.stack(ys, axis=1), state
+    return mx.stack(ys, axis=1), state, snapshots
 
 
 def _group_by_shape(segments: list[Segment]) -> dict[tuple[int, int], list[int]]:
@@ -373,48 +385,60 @@ class PackedDecoderLayer(DecoderLayer):
         else:
             self.self_attn = PackedAttention(args)
 
+    # The shard's choice (`use_fast_path`); the plain ops until given one.
+    fast_path = DecodeFastPath()
+
     def __call__(self, x: mx.array, segments: list[Segment], slot: int) -> mx.array:  # type: ignore[override]
         # A decode step of one request, or of a batch whose requests' steps share one shape:
         # one compiled call.
-        if self.is_linear and (shape := _one_shape(segments)) and compiled.layers_enabled(shape[0]):
+        if (
+            self.is_linear
+            and self.fast_path.compiled_layers
+            and (shape := _one_shape(segments))
+            and shape[0] <= MAX_COMPILED_POSITIONS
+        ):
             return self._compiled_linear_step(x, segments, slot, *shape)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), segments, slot)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def share_traces(self, traces: LayerTraces) -> None:
-        """Keep the compiled steps in `traces`, shared by all of a shard's layers."""
+    def use_fast_path(self, fast_path: DecodeFastPath, traces: LayerTraces) -> None:
+        """Run the parts of the fast path that `fast_path` asks for, keeping compiled layer
+        steps in `traces`, which all of a shard's layers share (their fast path is one)."""
+        # Plain attributes, not module members: neither is a parameter.
+        self.__dict__["fast_path"] = fast_path
         self.__dict__["_traces"] = traces
+        for cached in ("_params", "_structure"):  # of the layer's modules, which may change
+            self.__dict__.pop(cached, None)
+        if self.is_linear:
+            self.linear_attn.__dict__["fast_path"] = fast_path
 
     def _compiled_linear_step(
         self, x: mx.array, segments: list[Segment], slot: int, length: int, n_confirmed: int
     ) -> mx.array:
-        """The whole GatedDeltaNet layer as one compiled call (`cluster.model.compiled`): a
-        graph replayed in C++ with its elementwise chains fused. The layer's weights are inputs
+        """The whole GatedDeltaNet layer as one compiled call (`cluster.model.compiled_steps`):
+        a graph replayed in C++ with its elementwise chains fused. The layer's weights are inputs
         of the trace, so the shard's layers of one structure (`LayerTraces`) replay one trace per
         (rows, drafts) shape, and a batch size seen for the first time costs one trace, not one
         per layer."""
         gdn = self.linear_attn
         conv_state, state = gdn.states(segments, slot, x.dtype)
-        snapshot_at = tuple(range(n_confirmed, length))
         traces = self.__dict__.setdefault("_traces", LayerTraces())
         if (params := self.__dict__.get("_params")) is None:
             # Read once: a shard's weights do not change once it steps.
             params = self.__dict__["_params"] = self.parameters()
             self.__dict__["_structure"] = traces.structure_of(self)
         rows = len(segments) * length
-        # The few-row and recurrence kernels are traced in or not.
-        kernels = (few_row_matmul.enabled(), gated_delta_kernel.enabled())
-        key = (self.__dict__["_structure"], rows, snapshot_at, kernels)
+        # The shard's fast path is fixed, so the kernels traced in are too: the structure (which
+        # tells a few-row kernel's layer from MLX's) and the step's shape name the trace.
+        core = core_step(gdn.dims, length, n_confirmed, self.fast_path.recurrence_kernel)
+        key = (self.__dict__["_structure"], rows, length, n_confirmed)
         if (step := traces.steps.get(key)) is None:
             step = traces.steps[key] = mx.compile(
-                functools.partial(
-                    _linear_layer_step, self, length=rows, snapshot_at=snapshot_at,
-                    use_kernel=kernels[1],
-                )
-            )  # fmt: skip
+                functools.partial(_linear_layer_step, self, length=rows, step=core)
+            )
         h, *new_states = step(params, x, conv_state, state)
-        gdn.store(segments, slot, snapshot_at, new_states)
+        gdn.store(segments, slot, core.snapshot_at, new_states)
         return h
 
 
@@ -454,8 +478,7 @@ def _linear_layer_step(
     state: mx.array,
     *,
     length: int,
-    snapshot_at: tuple[int, ...],
-    use_kernel: bool,
+    step: CoreStep,
 ) -> list[mx.array]:
     """The GatedDeltaNet decoder layer whose parameters are `params` over a batch of requests
     of one step shape, as a function of arrays, run through `template` (a layer of the same
@@ -472,10 +495,8 @@ def _linear_layer_step(
         qkv, z, b, a = (_real(t, length) for t in gdn.project(template.input_layernorm(x)))
         z = z.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
         qkv, a, b = (t.reshape(batch, length // batch, *t.shape[2:]) for t in (qkv, a, b))
-        out, *states = gdn_core(
-            qkv, a, b, conv_state, state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
-            dims=gdn.dims, snapshot_at=snapshot_at, use_kernel=use_kernel,
-        )  # fmt: skip
+        weights = (gdn.conv1d.weight, gdn.A_log, gdn.dt_bias)
+        out, *states = gdn_core(qkv, a, b, conv_state, state, weights, step=step)
         out = out.reshape(1, length, gdn.num_v_heads, gdn.head_v_dim)
         h = x + gdn.out_proj(pad_rows(gdn.norm(out, z).reshape(1, length, -1), rows))
         return [h + template.mlp(template.post_attention_layernorm(h)), *states]

@@ -28,10 +28,15 @@ from mlx.utils import tree_flatten
 
 from cluster.config import ModelConfig, ModelDirError, load_model_config
 from cluster.model import few_row_matmul, fused
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.layers import PackedDecoderLayer
 from cluster.model.shard import ModelShard, ShardSpec
 
 log = logging.getLogger(__name__)
+
+# What the coordinator, `cluster generate` and `cluster status` say of a checkpoint whose config
+# declares an MTP head that its weights lack (every mlx-community conversion drops `mtp.*`).
+NO_MTP_HEAD = "model has no MTP head: serving without drafts"
 
 # RMSNorms that Hugging Face stores as (weight - 1). GatedDeltaNet's own gated norm
 # (`linear_attn.norm`) is stored as is.
@@ -91,13 +96,15 @@ def load_shard(
     dtype: mx.Dtype | None = None,
     mtp: bool = True,
     for_decoding: bool = False,
+    fast_path: DecodeFastPath | None = None,
 ) -> ModelShard:
     """Build the shard for `spec` (the whole model by default) and load its tensors.
 
     `mtp=False` leaves the MTP head out. `for_decoding` readies a shard that runs steps (nodes,
     the local engine), not one whose parameters are written back out: the projections that
-    share an input become one matmul (`cluster.model.fused`), and on CUDA the quantized ones
-    run the few-row kernel (`cluster.model.few_row_matmul`).
+    share an input become one matmul (`cluster.model.fused`), and where `fast_path` asks for
+    it (on CUDA) the quantized ones run the few-row kernel (`cluster.model.few_row_matmul`).
+    The shard steps with `fast_path` (None: `DecodeFastPath.for_device()`).
     A config that declares MTP on a checkpoint without any `mtp.*` tensor (mlx-lm's own
     conversion drops them) loads without it, with a warning.
     """
@@ -107,12 +114,13 @@ def load_shard(
     with_mtp = mtp and spec.is_tail and config.mtp_layers > 0
     if with_mtp and not index.has_mtp:
         log.warning(
-            "%s declares %d MTP layer(s) but ships no mtp.* tensors; decoding without MTP",
+            "%s declares %d MTP layer(s) but ships no mtp.* tensors: %s",
             config.path,
             config.mtp_layers,
+            NO_MTP_HEAD,
         )
         with_mtp = False
-    shard = ModelShard(config, spec, with_mtp=with_mtp)
+    shard = ModelShard(config, spec, with_mtp=with_mtp, fast_path=fast_path)
     wanted = dict(tree_flatten(shard.parameters()))
     weights = _read_weights(index, spec, set(wanted), config)
     if config.quantization:
@@ -127,7 +135,7 @@ def load_shard(
     del weights, wanted
     if for_decoding:  # on the lazy weights: the parts are read straight into the fused arrays
         fused.fuse_projections(shard)
-        if few_row_matmul.available():
+        if shard.fast_path.few_row_kernel and few_row_matmul.available():
             few_row_matmul.use_few_row_kernel(shard)
     shard.eval()
     _evaluate_by_layer(shard)
@@ -290,6 +298,13 @@ def _cast(name: str, value: mx.array, dtype: mx.Dtype | None, config: ModelConfi
         # MLX's CPU gather_mm (the MoE experts) supports float32 only.
         return value.astype(mx.float32)
     return value if dtype is None else value.astype(dtype)
+
+
+def has_mtp_head(model_dir: str | Path) -> bool:
+    """Whether the model's tail loads an MTP head: the config declares one and the weights
+    hold its `mtp.*` tensors (as `load_shard` decides)."""
+    config = load_model_config(model_dir)
+    return config.mtp_layers > 0 and CheckpointIndex.read(config.path).has_mtp
 
 
 def shard_tensor_names(model_dir: str | Path, spec: ShardSpec) -> Iterable[str]:

@@ -15,18 +15,19 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster.config import ModelConfig
-from cluster.model import row_padding
+from cluster.model import few_row_matmul
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.layers import LayerTraces, PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
+from cluster.model.row_padding import pad_rows, padded_rows
 
 ASYNC_EVAL_EVERY = 8  # layers
 # The last chunk's layers are started 4, 2 and 1 layers before the end, so that what the
 # device has left once the graph is built is about one layer, not eight: a node's step ends
 # with its output read back, and the next node waits for it. The first chunk could be started
 # the same way (after 1, 2 and 4 layers), so that a node's device idles less at the start of
-# its step; measured on an H100 (27B shape, 4 bits, BENCHMARKS.md run AJ) it cost 1-2 % on
-# either half of a split step against the last chunk's taper alone: the device catches up
-# with the host within the chunk anyway. Off.
+# its step; measured, it cost a little on either half of a split step against the last
+# chunk's taper alone (the device catches up with the host within the chunk anyway). Off.
 TAPER_FIRST_CHUNK = False
 TAPER_LAST_CHUNK = True
 
@@ -66,7 +67,18 @@ class ShardSpec:
 
 
 class ModelShard(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ShardSpec, *, with_mtp: bool):
+    """The layers of `spec` and its role's extras, stepping with the parts of the decode fast
+    path that `fast_path` asks for (None: `DecodeFastPath.for_device()`), fixed for the
+    shard's life."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        spec: ShardSpec,
+        *,
+        with_mtp: bool,
+        fast_path: DecodeFastPath | None = None,
+    ):
         super().__init__()
         args = config.text
         if spec.end > args.num_hidden_layers:
@@ -82,9 +94,6 @@ class ModelShard(nn.Module):
         if spec.is_head or (spec.is_tail and (with_mtp or self.tied)):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [PackedDecoderLayer(args, i) for i in range(spec.start, spec.end)]
-        traces = LayerTraces()
-        for layer in self.layers:
-            layer.share_traces(traces)
         if spec.is_tail:
             self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
             if not self.tied:
@@ -92,8 +101,35 @@ class ModelShard(nn.Module):
             if with_mtp:
                 self.mtp = MTPHead(args, config.mtp_layers)
         self.has_mtp = spec.is_tail and with_mtp
+        self.is_moe = config.is_moe
+        self._configure(DecodeFastPath.for_device() if fast_path is None else fast_path)
+
+    def _configure(self, fast_path: DecodeFastPath) -> None:
+        # Plain attributes, not module members.
+        self.__dict__["fast_path"] = fast_path
         # Padded rows would be routed to experts (`cluster.model.row_padding`).
-        self.pads_rows = not config.is_moe
+        self.__dict__["_pad_rows_from"] = None if self.is_moe else fast_path.pad_rows_from
+        traces = LayerTraces()
+        for layer in [*self.layers, *(self.mtp.layers if self.has_mtp else ())]:
+            layer.use_fast_path(fast_path, traces)
+
+    def use_fast_path(self, fast_path: DecodeFastPath) -> None:
+        """Step with `fast_path` from the next step on, between steps only: for a benchmark's
+        rounds that compare the fast path's parts on one loaded shard. The compiled traces
+        start afresh, and where the few-row kernel runs, the quantized layers are swapped to
+        or from it over the same arrays (`cluster.model.few_row_matmul`)."""
+        kernel_was = self.fast_path.few_row_kernel
+        self._configure(fast_path)
+        if fast_path.few_row_kernel != kernel_was and few_row_matmul.available():
+            if fast_path.few_row_kernel:
+                few_row_matmul.use_few_row_kernel(self)
+            else:
+                few_row_matmul.use_mlx_kernels(self)
+
+    @property
+    def pads_rows(self) -> bool:
+        """Whether this shard's short steps run their dense layers on padded rows."""
+        return self._pad_rows_from is not None
 
     @property
     def linear_flags(self) -> list[bool]:
@@ -104,10 +140,11 @@ class ModelShard(nn.Module):
 
     def __call__(self, x: mx.array, segments: list[Segment], *, launch: bool = True) -> mx.array:
         """The layers over `x` [1, L, hidden]; unless not to `launch` (`x` is not there yet:
-        cluster.decode.doorbell), the device starts on them as they are built."""
+        cluster.decode.late_input), the device starts on them as they are built."""
         length = x.shape[1]
-        if self.pads_rows:  # a short step's dense layers run on the rows matmuls run cheapest
-            x = row_padding.pad_rows(x, row_padding.padded_rows(length))
+        if (pad_from := self._pad_rows_from) is not None:
+            # A short step's dense layers run on the rows matmuls run cheapest.
+            x = pad_rows(x, padded_rows(length, pad_from))
         starts = async_eval_slots(
             len(self.layers), ASYNC_EVAL_EVERY, TAPER_FIRST_CHUNK, TAPER_LAST_CHUNK
         )

@@ -2,10 +2,9 @@
 
 A batch step of 8 requests multiplies 8 rows (16 with a draft each) by every weight matrix. MLX
 CUDA's GEMM path for those rows takes about twice its one-row time when the matmuls run one
-after the other, as a model's do (27B-shape MLP: 0.44 against 0.21 ms a layer on an H100,
-BENCHMARKS.md), and the few-row kernel (`cluster.model.few_row_matmul`), which does its sums
-on the CUDA cores, turns compute-bound from 4 rows on. That is what kept 8 concurrent requests
-at 3.6x one request's tokens/s. Here the weights are read once for all rows and multiplied on
+after the other, as a model's do, and the few-row kernel (`cluster.model.few_row_matmul`),
+which does its sums on the CUDA cores, turns compute-bound from 4 rows on: a batch paid for its
+rows well beyond the weights' reading. Here the weights are read once for all rows and multiplied on
 the tensor cores (`mma.sync` m16n8k16, float accumulation), whose rate leaves a step of up to
 32 rows bound by reading the weights, like one row's.
 
@@ -21,9 +20,8 @@ Its design:
   permutation of the input axis, the same for the weights and the rows, so the sum is too;
 - the loads are what bounds it: each warp keeps `DEPTH` spans of weights, scales and biases in
   flight ahead of the one it multiplies, and reads its rows' inputs 16 bytes at a time (eight
-  of them, two k16 steps; they were 8-byte loads, one per step, whose latency and count cost
-  a 16-row step 1.5x an 8-row one: 0.168 against 0.114 ms a 27B MLP pair on an H200, now
-  0.125 against 0.100; BENCHMARKS.md, run AT).
+  of them, two k16 steps: 8-byte loads, one per step, made a 16-row step cost half again an
+  8-row one by their latency and count).
 
 Each row's sums are formed in an order that does not depend on the other rows, but not in the
 few-row kernel's or MLX's order: a row's output differs from theirs in the last bits, as MLX's
@@ -40,10 +38,9 @@ import mlx.core as mx
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "takes", "tensor_core_quantized_matmul"]
 
-# Below, the few-row kernel's CUDA-core sums are about as fast (H200, 27B-shape MLP matmuls
-# one after the other: 0.105 against 0.114 ms a pair at 1 row, 0.151 against 0.110 at 4), and
-# its rows are bit-identical across 1 to 3 rows: a verify step's first row equals the plain
-# step's, which keeps greedy decoding with MTP identical to decoding without it.
+# Below, the few-row kernel's CUDA-core sums are about as fast, and its rows are bit-identical
+# across 1 to 3 rows: a verify step's first row equals the plain step's, which keeps greedy
+# decoding with MTP identical to decoding without it.
 MIN_ROWS = 4
 MAX_ROWS = 32  # four 8-row tiles per warp
 WARPS = 4  # per block, splitting the input axis

@@ -86,8 +86,11 @@ class NodeAdvertiser:
 
     `interfaces` and `ip_version` go to zeroconf (tests pass ["127.0.0.1"]); `addresses` are
     the IPs put in the record, by default those of `interfaces` when they are IPs, else every
-    non-loopback IPv4 address of the machine (127.0.0.1 when it has none).
+    non-loopback IPv4 address of the machine (127.0.0.1 when it has none). The record is of
+    `service_type`, the type coordinators browse.
     """
+
+    service_type = SERVICE_TYPE
 
     def __init__(
         self,
@@ -100,21 +103,19 @@ class NodeAdvertiser:
         addresses: Sequence[str] | None = None,
         interfaces: Interfaces = InterfaceChoice.All,
         ip_version: IPVersion = IPVersion.V4Only,
-        service_type: str = SERVICE_TYPE,
     ) -> None:
         self.record = NodeRecord(
             node_id, port, memory_bytes, device, package_version() if version is None else version
         )
         self._interfaces = interfaces
         self._ip_version = ip_version
-        self._service_type = service_type
         self._addresses = list(addresses or _default_addresses(interfaces, ip_version))
         self._zeroconf: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
 
     @property
     def service_name(self) -> str:
-        return instance_name(self.record.node_id, self._service_type)
+        return instance_name(self.record.node_id, self.service_type)
 
     @property
     def addresses(self) -> list[str]:
@@ -174,7 +175,7 @@ class NodeAdvertiser:
 
     def _service_info(self) -> AsyncServiceInfo:
         return AsyncServiceInfo(
-            self._service_type,
+            self.service_type,
             self.service_name,
             port=self.record.port,
             properties=self.record.properties(),

@@ -1,12 +1,9 @@
 """Which of gRPC's I/O paths every process of the cluster uses: the one that makes a hop cheapest.
 
-gRPC 1.84 and 1.85 move messages between their sockets and the asyncio loop through the
-EventEngine by default, which wakes more threads per message than the older I/O path: 14
-voluntary context switches per round trip of the hop benchmark against 8. A bare grpc.aio echo
-of a decode step's 20 KB took 94-121 us one way against 57-82 us with the EventEngine's client
-and listener off (an H100 host, 16 cores and pinned to 2), and 124-162 against 62-68 us on the
-2-core CI-like VM; the protobuf step stream 217-238 against 130-172 us
-(`python -m benchmarks.hop`, BENCHMARKS.md, issue 10).
+`choose_io_path` turns off the EventEngine's TCP client and listener, so channels and servers use
+gRPC's older I/O path. The EventEngine, gRPC's default in the versions this project runs (1.84,
+1.85), wakes more threads per message than the older path, and a decode step crosses every hop
+once per token, so through it a hop costs more; `python -m benchmarks.hop` compares the two.
 
 gRPC reads GRPC_EXPERIMENTS once, when it is first imported, so `cluster/__init__.py` sets it
 before any module imports grpc. A value already in the environment wins: `GRPC_EXPERIMENTS=`

@@ -1,10 +1,10 @@
 """A driver's results stream from one node over plain TCP, beside gRPC's Results stream.
 
 Every token of a pipeline comes back to the driver from the tail, so this leg is paid once per
-token, like a hop. The gRPC Results stream costs what a gRPC step stream costs (BENCHMARKS.md,
-"Hop, the measured cause"); this one is the node's step port in its other direction
-(`cluster.transport.step_link`: the hello, then length-prefixed `ResultBatch` frames), and each batch
-reaches `on_batch` in the event loop's own callback as its bytes arrive, with no task switch.
+token, like a hop. The gRPC Results stream costs what a gRPC step stream costs
+(`cluster.transport.step_link` says why); this one is the node's step port in its other
+direction (the hello, then length-prefixed `ResultBatch` frames), and each batch reaches
+`on_batch` in the event loop's own callback as its bytes arrive, with no task switch.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 port, a driver's results stream from a node.
 
 A decode step crosses every hop, so a hop's cost is paid once per node per token. Over a
-grpc.aio stream a hop took 1.8x a bare grpc.aio echo (BENCHMARKS.md, "Hop, the measured
-cause"): the step's codec runs inside gRPC's message path, cold, and gRPC's own per-message
-Python work comes on top. The same serialized `StepBatch` (`wire.step_batch_bytes`) sent as a
-length-prefixed frame on an asyncio TCP stream costs about what the echo costs. The control
+grpc.aio stream a hop costs well over a bare grpc.aio echo: the step's codec runs inside gRPC's
+message path, cold, and gRPC's own per-message Python work comes on top. The same serialized
+`StepBatch` (`wire.step_batch_bytes`) sent as a length-prefixed frame on an asyncio TCP stream
+costs about what the echo costs. The control
 plane (LoadShard, Info, Release) stays on gRPC, and so does everything under TLS: the
 successor advertises this port in its `NodeInfo.step_port` only when it serves without TLS.
 
@@ -21,8 +21,8 @@ A malformed frame closes the stream (the sender sees it broken and opens a new o
 and errors reach the driver over its results stream.
 
 The driver's legs take the same port where it can: its steps to the head as a step stream, and
-each node's results back as a results stream (`cluster.transport.results_link`), the gRPC Results stream's
-twin, which answers its hello once the subscription is in place:
+each node's results back as a results stream (`cluster.transport.results_link`), the gRPC
+Results stream's twin, which answers its hello once the subscription is in place:
 
     driver:   RESULTS_MAGIC, u32 token length, token (once)
     listener: ACCEPTED                               (once, subscribed: nothing later is lost)

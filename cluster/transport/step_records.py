@@ -1,13 +1,11 @@
 """A batch of plain decode steps as fixed-size records: the step stream's short form.
 
 A node hands each decode step to its successor, so the step's codec runs once per hop per
-token, on a thread that has just woken from waiting for it. As a `StepBatch` (`cluster.transport.wire`)
-that costs protobuf's Python objects: on an H200 host's CPU a hop's codec took 28 µs hot and
-51 µs cold, against a bare gRPC echo's 58-61 µs for the whole hop (BENCHMARKS.md, run AR). A
-step whose entries carry nothing but ids, tokens and positions packs into records that
-`struct` reads and writes in a few calls (0.53-0.60x the protobuf codec's time there, cold;
-run AS), and its hidden states follow as raw bytes, which the node copies into MLX or its
-doorbell as they are.
+token, on a thread that has just woken from waiting for it (its caches cold). As a `StepBatch`
+(`cluster.transport.wire`) it costs protobuf's Python objects, built and read on that path. A
+step whose entries carry nothing but ids, tokens and positions packs into records that `struct`
+reads and writes in a few calls, and its hidden states follow as raw bytes, which the node copies
+into MLX or its doorbell as they are.
 
     header   u64 sequence, u64 epoch, u16 entries, u8 dtype (0: no hidden states, else 1 +
              its index in DTYPES), u32 width (the hidden size)
@@ -38,7 +36,7 @@ _CODES = {getattr(mx, name): code for code, (name, _) in enumerate(DTYPES, start
 _TOKENS = [struct.Struct(f"<{n}I") for n in range(256)]  # an entry's u32 tokens, by count
 
 
-@dataclass(slots=True)  # not frozen: its __init__ would cost 4x, once per hop per step
+@dataclass(slots=True)  # not frozen: a frozen __init__ sets each field the slow way, per hop
 class StepRecords:
     """A decoded records frame: a `StepBatch`'s `entries`, `sequence` and `epoch`, and its
     hidden states as raw bytes (`dtype` None where it has none). Read only."""
@@ -145,9 +143,10 @@ def _plain_step(
     request_id: str, tokens: tuple[int, ...], position: int, draft_len: int, rollback: int
 ) -> StepRequest:
     """`StepRequest(request_id, tokens, position, draft_len, rollback)`, its other fields at
-    their defaults, in 0.6x the time: a frozen dataclass's `__init__` sets each field through
-    `object.__setattr__` and checks them all, once per hop per step. A records entry can only
-    break the draft rule (its counts are unsigned); that one goes to the checks."""
+    their defaults, built without the dataclass's `__init__`: a frozen dataclass's `__init__`
+    sets each field through `object.__setattr__` and checks them all, once per hop per step. A
+    records entry can only break the draft rule (its counts are unsigned); that one goes to the
+    checks."""
     if not 0 <= draft_len < len(tokens):
         return StepRequest(request_id, tokens, position, draft_len, rollback)  # raises
     step = _new(StepRequest)

@@ -1,10 +1,10 @@
 """The weights service's fetch over a plain TCP stream: the chunks sent from the page cache.
 
-A Python gRPC stream copies each byte about seven times across the two processes (BENCHMARKS.md,
-issue 8): that, not the network, bounded a transfer at a fraction of a local file copy. Here the
-coordinator hands each chunk to the kernel with `sendfile` (no copy in user space) and the node
-receives it with one `recv_into` into the buffer that it then hashes and writes. The request and
-every check are the gRPC fetch's (`WeightsService.pieces`): the same `WeightsFetchRequest`, the
+A Python gRPC stream copies each byte several times across the two processes: that, not the
+network, bounds a transfer at a fraction of a local file copy's speed. Here the coordinator hands
+each chunk to the kernel with `sendfile` (no copy in user space) and the node receives it with
+one `recv_into` into the buffer that it then hashes and writes. The request and
+every check are the gRPC fetch's (`WeightsSource.pieces`): the same `WeightsFetchRequest`, the
 same refusals, the same progress; the node asks for the port by the manifest RPC and falls back
 to gRPC where there is none. A TLS cluster has none: its weights go over the encrypted service.
 
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 from google.protobuf.message import DecodeError
 
-from cluster.weights.service import WeightsRefusal, WeightsService
+from cluster.weights.source import WeightsRefusal, WeightsSource
 from proto import cluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,13 @@ class BulkUnreachable(ConnectionError):
 
 
 class BulkServer:
-    """Listens beside the gRPC service; one thread per node stream."""
+    """Serves `source`'s fetches beside the gRPC service, one thread per node stream, from
+    construction until `close`."""
 
-    def __init__(self, service: WeightsService, host: str = "0.0.0.0", port: int = 0):
+    def __init__(self, source: WeightsSource, host: str = "0.0.0.0", port: int = 0):
         server_class = _ServerV6 if ":" in host else _Server
         self._server = server_class((host, port), _BulkHandler)
-        self._server.service = service
+        self._server.source = source
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="weights-bulk", daemon=True
@@ -78,7 +79,7 @@ class BulkServer:
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True  # a stream in progress does not hold the coordinator's exit
     allow_reuse_address = True
-    service: WeightsService
+    source: WeightsSource
 
 
 class _ServerV6(_Server):
@@ -89,15 +90,15 @@ class _BulkHandler(socketserver.BaseRequestHandler):
     server: _Server
 
     def handle(self) -> None:
-        service = self.server.service
+        source = self.server.source
         sock: socket.socket = self.request
         sock.settimeout(IDLE_TIMEOUT_S)
         host, port = self.client_address[:2]
         peer = f"{host}:{port}"
         try:
             token, request = _read_hello(sock)
-            service.authorize(token)
-            with contextlib.closing(service.pieces(request, peer)) as pieces:
+            source.authorize(token)
+            with contextlib.closing(source.pieces(request, peer)) as pieces:
                 for piece in pieces:
                     sock.sendall(LENGTH.pack(piece.size))
                     if piece.data is not None:
@@ -144,9 +145,8 @@ def _send_refusal(sock: socket.socket, message: str) -> None:
 
 class ReceiveBuffers:
     """Chunk-sized buffers that the node's streams receive into, each handed back (`give`)
-    once its chunk is verified and written. A fresh buffer per chunk cost the node a zeroed
-    page per 4 KiB of every chunk, as much CPU as hashing it: reused, the fetch went from
-    0.41-0.47x to 0.51x of a file copy here (BENCHMARKS.md, issue 8)."""
+    once its chunk is verified and written. A fresh buffer per chunk would cost the node a
+    zeroed page per 4 KiB of every chunk, about as much CPU as hashing it."""
 
     def __init__(self, size: int, keep: int):
         self.size = size

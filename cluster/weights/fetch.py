@@ -332,32 +332,45 @@ def _split(refs: list[ChunkRef], manifest: Manifest, parts: int) -> list[list[Ch
     return [sorted(b, key=order.__getitem__) for _, b in bins if b]
 
 
+@dataclass(frozen=True, slots=True)
+class WeightsEndpoint:
+    """Where a node fetches weights from: the Weights service at `address` (None: none
+    named), asked with the cluster `token` (and `tls` when the cluster uses TLS) on behalf
+    of the node `node_id`."""
+
+    address: str | None
+    token: str
+    node_id: str
+    tls: TLSConfig | None = None
+
+
 def ensure_shard(
     *,
     digest: str,
     spec: ShardSpec,
     store: WeightsStore,
-    source: str | None,
-    token: str,
-    node_id: str,
+    source: WeightsEndpoint,
     local_dir: Path | None = None,
-    tls: TLSConfig | None = None,
     progress: FetchProgress | None = None,
     on_manifest: Callable[[Manifest], None] | None = None,
 ) -> Path:
     """A directory with a verified copy of the shard: `local_dir` if it is the same model,
-    else the cache (fetching only what it lacks from `source`)."""
+    else the cache (fetching only what it lacks from `source`). Raises WeightsFetchError
+    when the model is in neither and `source` names no service."""
     if local_dir is not None and local_copy_matches(local_dir, digest):
         return local_dir
     manifest = store.cached_manifest(digest)
-    if source is None:
+    address = source.address
+    if address is None:
         if manifest is None:
             raise WeightsFetchError(
                 f"model {digest} is neither at {local_dir} nor in the cache {store.root}, "
                 "and no weights service was named"
             )
-        source = "unreachable:0"  # only used if something is missing: fails with that name
-    fetcher = ShardFetcher(source, token, node_id=node_id, tls=tls, progress=progress)
+        address = "unreachable:0"  # only used if something is missing: fails with that name
+    fetcher = ShardFetcher(
+        address, source.token, node_id=source.node_id, tls=source.tls, progress=progress
+    )
     try:
         if manifest is None:
             manifest = fetcher.manifest(digest)

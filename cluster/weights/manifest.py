@@ -39,10 +39,9 @@ HASH_THREADS = min(8, os.cpu_count() or 1)
 
 def content_digest(data: bytes | memoryview) -> str:
     """The digest that a manifest lists for a chunk or a small file, and that a node checks
-    each received chunk against. BLAKE3: 4x SHA-256's speed on one core of this project's
-    x86 box (4.7 against 1.1 GB/s; where SHA-256 was most of a node's time to verify what it
-    receives, BENCHMARKS.md, issue 8), and like hashlib it releases the GIL, so the pool's
-    threads hash side by side."""
+    each received chunk against. BLAKE3: several times SHA-256's speed on one core, where
+    hashing is most of a node's time to verify what it receives, and like hashlib it releases
+    the GIL, so the pool's threads hash side by side."""
     return blake3.blake3(data).hexdigest()
 
 

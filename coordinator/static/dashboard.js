@@ -82,7 +82,15 @@ function nodeCard(node, index) {
   if (node.hop) {
     const how = node.hop.measured ? `${node.hop.rtt_ms.toFixed(2)} ms` : "given";
     rows.push(["Next hop", el("dd", "mono", `${node.hop.address} · ${node.hop.kind || "?"} · ${how}`)]);
+  } else if (node.hop_state === "measuring") {
+    rows.push(["Next hop", el("dd", "mono", "measuring")]);
   }
+  // Whether the node holds its Mac awake while serving (a power assertion), or why not.
+  const awake = node.keeps_awake
+    ? el("dd", "awake", "yes")
+    : el("dd", "asleep", `no · ${node.keep_awake_note || "unknown"}`);
+  awake.title = node.keep_awake_note || "";
+  rows.push(["Keeps awake", awake]);
   for (const [label, value] of rows) kv.append(el("dt", "", label), value);
 
   card.append(head, roles, kv, meter("Memory", node.memory_used_bytes, node.memory_total_bytes, stageColor(index)));
@@ -146,7 +154,11 @@ function draw(data) {
   const down = data.nodes.filter((n) => !n.up).length;
   if (!data.nodes.length) drawHealth("no nodes", "pill-bad");
   else if (down) drawHealth(`degraded · ${down} down`, "pill-bad");
-  else drawHealth("healthy", "pill-ok");
+  else if (data.warmup && data.warmup.state === "warming") {
+    // Not ready yet: every node runs each shape it will serve ("warming 3/12").
+    drawHealth(`warming ${data.warmup.done + 1}/${data.warmup.total}`, "pill-bad");
+  } else drawHealth("healthy", "pill-ok");
+  $("health").title = data.warmup ? data.warmup.line : "";
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 

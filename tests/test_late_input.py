@@ -2,8 +2,8 @@
 shard in one process, stepped as two nodes step them (each on its own MLX thread, rung from
 this one), must emit the tokens of the same shards stepped without it, and a step built ahead
 that the node does not get must leave no trace. The doorbell is the one `cluster node
---build-ahead on` takes on the CPU (and Metal), a `HostDoorbell` (built ahead, evaluated after
-the ring). On MLX CUDA the `PinnedDoorbell` is tested alone here, and across node processes by
+--build-ahead on` takes on the CPU (and Metal), a `HostLateInput` (built ahead, evaluated after
+the ring). On MLX CUDA the `PinnedLateInput` is tested alone here, and across node processes by
 tests/test_pipeline.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from conftest import CODE_PROMPTS
 from test_rollback import _layer_arrays
 
-from cluster.decode.doorbell import PinnedDoorbell, for_setting
+from cluster.decode.late_input import PinnedLateInput, late_input_for
 from cluster.decode.runner import ShardRunner
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
@@ -61,7 +61,7 @@ class TwoNodes:
         head, tail = shards
         self.workers = [MLXWorker(spin_s=0), MLXWorker(spin_s=0)]
         self.runners = [ShardRunner(head), ShardRunner(tail)]
-        self.doorbells = [for_setting("on"), for_setting("on")] if doorbells else [None, None]
+        self.doorbells = [late_input_for("on"), late_input_for("on")] if doorbells else [None, None]
         self.built = [0, 0]
 
     def step(self, steps: list[StepRequest]) -> list:
@@ -203,10 +203,7 @@ async def _tail_stage_tokens(shards, prompt: tuple[int, ...], doorbell: bool) ->
     runner, worker = ShardRunner(tail_shard), MLXWorker(spin_s=0)
     subscribers = Subscribers()
     results = subscribers.add()
-    stage = Stage(
-        runner, worker, subscribers, next_node=None, token="t",
-        doorbell=for_setting("on") if doorbell else None,
-    )  # fmt: skip
+    stage = Stage(runner, worker, subscribers, doorbell=late_input_for("on") if doorbell else None)
     tokens: list[int] = []
 
     async def step(request: StepRequest) -> None:
@@ -256,7 +253,7 @@ def test_a_step_built_ahead_that_no_message_rings_is_released(shards, tokenizer)
 def test_the_pinned_doorbell_launches_before_its_input_exists() -> None:
     import threading
 
-    doorbell = PinnedDoorbell()
+    doorbell = PinnedLateInput()
     seq = doorbell.prepare(12)
     x = doorbell.input(seq, (3,), mx.uint32)
     doorbell.arm(seq)
@@ -272,13 +269,13 @@ def test_the_pinned_doorbell_launches_before_its_input_exists() -> None:
 
 @pytest.mark.skipif(ON_CUDA, reason="the CPU's and Metal's settings")
 def test_build_ahead_settings() -> None:
-    from cluster.decode.doorbell import HostDoorbell
+    from cluster.decode.late_input import HostLateInput
 
-    assert for_setting("auto") is None and for_setting("off") is None
-    assert isinstance(for_setting("on"), HostDoorbell)
+    assert late_input_for("auto") is None and late_input_for("off") is None
+    assert isinstance(late_input_for("on"), HostLateInput)
     with pytest.raises(ValueError, match="not one of"):
-        for_setting("sometimes")
-    doorbell = for_setting("on")
+        late_input_for("sometimes")
+    doorbell = late_input_for("on")
     seq = doorbell.prepare(8)
     doorbell.arm(seq)
     with pytest.raises(RuntimeError, match="still armed"):

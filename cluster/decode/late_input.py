@@ -1,22 +1,24 @@
-"""A step's input that arrives after its graph was built: how a node builds its steps ahead.
+"""A step's input that arrives after its graph was built (`LateInput`): how a node builds its
+steps ahead.
 
 A model in one process builds step n+1 while the device runs step n, on step n's token still
 on the device (cluster.decode.runner). A node of a pipeline cannot: its input (the head's
 tokens, another node's hidden states) arrives as bytes from another process, and MLX has no
-input that a built graph can take later. A doorbell is that input. The runner builds the step
-it expects next on `Doorbell.input`; when the step's message arrives, the node's event loop
-writes its tokens or hidden states into the doorbell (`ring`) and the built step runs on them.
+input that a built graph can take later. A `LateInput` is that input: a mailbox and the
+doorbell that says it is filled. The runner builds the step it expects next on
+`LateInput.input`; when the step's message arrives, the node's event loop writes its tokens or
+hidden states into the mailbox and rings (`ring`), and the built step runs on them.
 
-- `PinnedDoorbell` (MLX CUDA): the input is a one-block kernel that waits on a word of pinned
+- `PinnedLateInput` (MLX CUDA): the input is a one-block kernel that waits on a word of pinned
   host memory, then copies the payload written beside it. The whole step is launched behind
   it, so the device starts the moment the bytes land; the node's host builds and launches the
-  step while the other nodes compute (BENCHMARKS.md, run AQ). The ring must come from a thread
+  step while the other nodes compute. The ring must come from a thread
   other than the one that launched the step: MLX may block that thread while the device waits.
-- `HostDoorbell` (the CPU, Metal): the input is a slice of an MLX array that the ring writes
+- `HostLateInput` (the CPU, Metal): the input is a slice of an MLX array that the ring writes
   through its buffer, so the step can only be built ahead, not launched (`launches_ahead`):
   evaluated before the ring, it would read the last payload.
 
-A step built on a doorbell that is rung without data (`ring(None)`: the node got something
+A step built on a late input that is rung without data (`ring(None)`: the node got something
 else) runs on whatever the mailbox holds, and the runner undoes it from its marks.
 """
 
@@ -42,7 +44,7 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-class Doorbell:
+class LateInput:
     """The mailbox and its sequence numbers; subclasses give the device's input."""
 
     launches_ahead = False
@@ -104,7 +106,7 @@ class Doorbell:
         raise NotImplementedError
 
 
-class HostDoorbell(Doorbell):
+class HostLateInput(LateInput):
     """The input is the first bytes of an MLX array that `ring` overwrites in place."""
 
     def __init__(self) -> None:
@@ -168,7 +170,7 @@ def _cudart() -> ctypes.CDLL | None:
     return None
 
 
-class PinnedDoorbell(Doorbell):
+class PinnedLateInput(LateInput):
     """MLX CUDA: the mailbox is pinned host memory that the device reads directly; the input
     kernel waits for its sequence number, so a step can be launched before its input exists."""
 
@@ -238,10 +240,11 @@ class PinnedDoorbell(Doorbell):
 BUILD_AHEAD_SETTINGS = ("auto", "on", "off")
 
 
-def for_setting(setting: str = "auto") -> Doorbell | None:
-    """A node's doorbell (`cluster node --build-ahead`): "auto", pinned on MLX CUDA, where
-    launching a node's step ahead pays (BENCHMARKS.md, run AQ), and none elsewhere; "on",
-    pinned on CUDA and a `HostDoorbell` elsewhere (steps built ahead, not launched: not
+def late_input_for(setting: str = "auto") -> LateInput | None:
+    """A node's late input (`cluster node --build-ahead`): "auto", pinned on MLX CUDA, where
+    launching a node's step ahead pays (its device starts the moment the input lands), and
+    none elsewhere; "on",
+    pinned on CUDA and a `HostLateInput` elsewhere (steps built ahead, not launched: not
     measured to pay on the CPU or Metal); "off", none."""
     if setting not in BUILD_AHEAD_SETTINGS:
         raise ValueError(f"build-ahead setting {setting!r} is not one of {BUILD_AHEAD_SETTINGS}")
@@ -249,10 +252,10 @@ def for_setting(setting: str = "auto") -> Doorbell | None:
         return None
     if mx.default_device() == mx.gpu and mx.cuda.is_available():
         try:
-            return PinnedDoorbell()
+            return PinnedLateInput()
         except RuntimeError as error:
             if setting == "on":
                 raise ValueError(f"steps cannot be built ahead here: {error}") from error
             log.warning("steps are not built ahead: %s", error)
             return None
-    return HostDoorbell() if setting == "on" else None
+    return HostLateInput() if setting == "on" else None

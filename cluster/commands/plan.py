@@ -13,14 +13,13 @@ from pathlib import Path
 
 import click
 
-from cluster.config import bundled_model_path
+from cluster.commands.options import layers_option, model_option
 from cluster.model.footprint import FootprintError, ModelFootprint
 from cluster.placement import DEFAULT_BANDWIDTH_GBPS, NodeCapacity, PlacementError, plan_placement
 
 GIB = 1 << 30
 DEFAULT_CONTEXT = 32768
 _NODE_SPEC = re.compile(r"^(?P<id>[^=\s]+)=(?P<mem>[0-9.]+)(?:@(?P<bw>[0-9.]+))?$")
-_RANGE_SPEC = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
 def parse_node(spec: str) -> NodeCapacity:
@@ -37,25 +36,10 @@ def parse_node(spec: str) -> NodeCapacity:
         raise click.BadParameter(f"{spec!r}: {e}") from e
 
 
-def parse_layers(spec: str) -> list[tuple[int, int]]:
-    """`0:3,3:8`: one half-open layer range per node, in pipeline order."""
-    ranges = []
-    for part in spec.split(","):
-        match = _RANGE_SPEC.match(part)
-        if match is None:
-            raise click.BadParameter(f"expected START:END[,START:END...], got {spec!r}")
-        ranges.append((int(match[1]), int(match[2])))
-    return ranges
-
-
 @click.command("plan")
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=bundled_model_path,
+@model_option(
+    "Model: a directory (Hugging Face or MLX layout) or a Hugging Face repo id owner/name.",
     show_default="the bundled qwen3_5-tiny-mtp",
-    help="Model directory (Hugging Face or MLX layout).",
 )
 @click.option(
     "--node",
@@ -80,28 +64,22 @@ def parse_layers(spec: str) -> list[tuple[int, int]]:
     show_default=True,
     help="Requests served at once, each with its own caches.",
 )
-@click.option(
-    "--layers",
-    "layers_spec",
-    metavar="START:END,...",
-    help="Fix the split: one half-open range per --node, in order.",
-)
+@layers_option("Fix the split: one half-open range per --node, in order.")
 @click.option(
     "--all-nodes", "use_all", is_flag=True, help="Use every node, not only the fewest that fit."
 )
-def plan(
+def plan_command(
     model_dir: Path,
     node_specs: tuple[str, ...],
     context_tokens: int,
     concurrency: int,
-    layers_spec: str | None,
+    layers: list[tuple[int, int]] | None,
     use_all: bool,
 ) -> None:
     """Show which node would hold which layers, and why; exit 1 when the model does not fit."""
     if not node_specs:
         raise click.UsageError("give at least one --node ID=MEMORY_GB[@BANDWIDTH_GBPS]")
     nodes = [parse_node(spec) for spec in node_specs]
-    layers = parse_layers(layers_spec) if layers_spec else None
     try:
         footprint = ModelFootprint.from_dir(model_dir)
         result = plan_placement(

@@ -1,0 +1,80 @@
+"""`cluster coordinator`: the OpenAI-compatible API and the dashboard over node daemons."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import click
+
+from cluster.commands.options import layers_option, model_option, serving_options, token_option
+from coordinator.settings import CoordinatorSettings, ServingOptions
+
+NO_WARMUP_HELP = (
+    "Say ready without running every shape on the nodes first (faster start; the first "
+    "requests then wait while kernels build)."
+)
+
+
+def serve_coordinator(settings: CoordinatorSettings) -> None:
+    """Run the coordinator's service to its end (Ctrl-C: KeyboardInterrupt). Imported here,
+    not at the top: the service brings the tokenizer (`transformers`, seconds to import),
+    which the commands beside it do without."""
+    from coordinator.service import run_coordinator
+
+    asyncio.run(run_coordinator(settings))
+
+
+def build_settings(
+    serving: ServingOptions, model_dir: Path, token: str, **rest: object
+) -> CoordinatorSettings:
+    """`serving.settings(...)` with its refusals as click errors: keys that cannot be read or
+    used, and an endpoint beyond loopback without a key (before anything is started)."""
+    from coordinator.settings import ApiKeyError, OpenEndpointError
+
+    try:
+        return serving.settings(model_dir, token, **rest)
+    except OpenEndpointError as error:
+        raise click.UsageError(str(error)) from error
+    except ApiKeyError as error:
+        raise click.BadParameter(str(error), param_hint="--api-key / --api-key-file") from error
+    except (OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+
+
+@click.command("coordinator")
+@click.option("--nodes", default="", help="Static node list HOST:PORT,... (mDNS finds others).")
+@model_option()
+@token_option(required=True)
+@layers_option("Override placement: 0:20,20:40,...")
+@click.option("--all-nodes", is_flag=True, help="Use every node, not the fewest that fit.")
+@click.option("--no-mdns", is_flag=True, help="Only use --nodes; do not browse mDNS.")
+@click.option("--no-warmup", is_flag=True, help=NO_WARMUP_HELP)
+@serving_options
+def coordinator_command(
+    nodes: str,
+    model_dir: Path,
+    token: str,
+    layers: list[tuple[int, int]] | None,
+    all_nodes: bool,
+    no_mdns: bool,
+    no_warmup: bool,
+    serving: ServingOptions,
+) -> None:
+    """Serve the OpenAI-compatible API and the dashboard over a cluster of nodes."""
+    settings = build_settings(
+        serving,
+        model_dir,
+        token,
+        nodes=tuple(n for n in nodes.split(",") if n),
+        browse=not no_mdns,
+        layers=layers,
+        use_all=all_nodes,
+        warmup=not no_warmup,
+    )
+    try:
+        serve_coordinator(settings)
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error

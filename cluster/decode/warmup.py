@@ -1,0 +1,390 @@
+"""Warm-up: every shape the nodes will run, run once before the coordinator says it is ready.
+
+MLX builds a kernel the first time it meets a shape, and the decode fast path traces a
+compiled step per (rows, drafts) shape (`cluster.model.compiled_steps`): a prefill chunk of
+a new length, a decode batch of a new size, a verify step of a new width. On a GPU at a large
+model each costs up to seconds, and a cold cluster makes its first users wait for all of them.
+So, once a pipeline is placed (at the start, and again after every re-placement: new shards
+are cold), the coordinator drives synthetic requests through its real pipeline, and every
+node runs, through the same code as a user's request:
+
+- prefill: one request per prompt length of `prefill_lengths`: shorter last chunks in
+  powers of four, and a prompt of a full chunk and a short one (the engine's chunk, then a
+  chunk at an offset, attending over the cache), with MTP where the model has it (the decode
+  steps' own prompts take the path without it);
+- decode: for each batch size k = 1 .. `max_running` (the admission limit), k requests at
+  once (their steps travel and batch together as k users' would), once per MTP variant the
+  coordinator may serve: MTP off, and MTP at each depth it may draft (the configured depth;
+  with `auto`, every depth 0 .. AUTO_MAX_DEPTH), each step verifying `1 + depth` positions.
+  Every other request samples (temperature > 0): the sampling paths warm beside argmax.
+
+The synthetic requests go through a `GenerationEngine` of their own, with no conversation
+cache, past the HTTP layer and `MeteredEngine`: they leave no prefix snapshot, count in no
+request, token or rate figure, and each is released on every node when it ends. The nodes' own
+counters (steps, batches, busy time, positions computed) do count them: that is the work
+they did.
+
+`WarmupProgress` is what the terminal, the dashboard (`/api/cluster`'s `warmup`), `/health`
+and `/metrics` show of it; `Driven` records what each step actually submitted, so tests can
+see that every planned shape ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.mtp_depth import AUTO_MAX_DEPTH
+from cluster.decode.pipeline import Pipeline
+from cluster.messages import MtpDepth, RequestOptions, SamplingParams, StepRequest, StepResult
+
+log = logging.getLogger(__name__)
+
+# Each request of a decode step: short (its decode is the point, and on a CPU a prompt
+# costs per position), and within the context.
+DECODE_PROMPT_TOKENS = 4
+SHORTEST_PREFILL = 16  # the shortest last chunk warmed; powers of four from here to the chunk
+CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
+# Every other request samples: these touch the filters (top-k, top-p, min-p) and the
+# seeded sampler that a user's request may ask for.
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """How a warm-up request decodes: MTP off, or on with `depth` drafts per step."""
+
+    mtp: bool
+    depth: int = 0
+
+    @property
+    def width(self) -> int:
+        """Positions of each of its decode steps (the confirmed token and the drafts)."""
+        return 1 + self.depth if self.mtp else 1
+
+    @property
+    def name(self) -> str:
+        return f"MTP depth {self.depth}" if self.mtp else "MTP off"
+
+    def options(self, sampled: bool) -> RequestOptions:
+        sampling = SAMPLED if sampled else SamplingParams()
+        return RequestOptions(sampling=sampling, mtp=self.mtp, mtp_depth=self.depth)
+
+    def max_tokens(self) -> int:
+        """Enough for one full-width decode step whatever passes (no drafts run past
+        max_tokens): the first run of a shape is the one that builds its kernels."""
+        return 2 + self.width
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupStep:
+    """One line of the warm-up's progress: a prefill of `size` prompt tokens, or a decode
+    batch of `size` requests; run once for each of `variants`, one after the other."""
+
+    kind: Literal["prefill", "decode"]
+    size: int
+    variants: tuple[Variant, ...]
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill {self.size} tokens"
+        return f"decode batch {self.size} ({', '.join(v.name for v in self.variants)})"
+
+    def requests(self, variant: Variant, vocab_size: int) -> list[GenerationRequest]:
+        """The synthetic requests of one variant: run at once, they make one batch."""
+        if self.kind == "prefill":
+            options = variant.options(sampled=True)
+            prompt = synthetic_prompt(self.size, 0, vocab_size)
+            return [GenerationRequest(prompt, 1, options, request_id=_request_id())]
+        return [
+            GenerationRequest(
+                synthetic_prompt(DECODE_PROMPT_TOKENS, i, vocab_size),
+                variant.max_tokens(),
+                variant.options(sampled=i % 2 == 1),
+                request_id=_request_id(),
+            )
+            for i in range(self.size)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Driven:
+    """What one variant of a warm-up step submitted to the pipeline: a prefill of `size`
+    prompt tokens (every chunk, summed), or decode steps of `width` positions of which
+    `size` were in flight at once (the batch the nodes could form); `positions`: every
+    position its steps fed (each node computes each of them once)."""
+
+    kind: str
+    size: int
+    mtp: bool
+    depth: int
+    positions: int
+
+    @property
+    def shape(self) -> tuple[str, int, bool, int]:
+        return (self.kind, self.size, self.mtp, self.depth)
+
+
+def prefill_lengths(prefill_chunk: int, max_context: int) -> list[int]:
+    """Prompt lengths whose prefill the warm-up runs: powers of four from SHORTEST_PREFILL
+    below the chunk (shorter last chunks: a GPU's matmuls pick their kernel by row-count
+    ranges), then a full chunk and a short one (the chunk's shape, and a chunk at an offset
+    that attends over the cache); within the context."""
+    lengths, n = [], SHORTEST_PREFILL
+    while n < prefill_chunk:
+        lengths.append(n)
+        n *= 4
+    lengths.append(prefill_chunk + min(SHORTEST_PREFILL, prefill_chunk))
+    # Room for the one token each prefill request samples.
+    return [n for n in lengths if n < max_context]
+
+
+def decode_variants(mtp_depth: MtpDepth, has_mtp: bool) -> tuple[Variant, ...]:
+    """MTP off, and where the model has an MTP head, each depth a request may draft at:
+    the configured one, or with `auto` every depth the tail may choose."""
+    if not has_mtp:
+        return (Variant(False),)
+    depths = range(AUTO_MAX_DEPTH + 1) if mtp_depth == "auto" else (mtp_depth,)
+    return (Variant(False), *(Variant(True, d) for d in depths))
+
+
+def plan_warmup(
+    *,
+    prefill_chunk: int,
+    max_running: int,
+    max_context: int,
+    mtp_depth: MtpDepth,
+    has_mtp: bool,
+) -> list[WarmupStep]:
+    """The coordinator's warm-up: every prefill length, then every batch size up to the
+    admission limit, with each MTP variant it may serve."""
+    variants = decode_variants(mtp_depth, has_mtp)
+    # Where the model has one, the tail's MTP head runs over each chunk too: the path that
+    # requests take by default. The decode steps' prompts prefill without it.
+    prefill_variants = (Variant(has_mtp, 1 if mtp_depth == "auto" else mtp_depth),)
+    if not has_mtp:
+        prefill_variants = (Variant(False),)
+    steps = [
+        WarmupStep("prefill", n, prefill_variants)
+        for n in prefill_lengths(prefill_chunk, max_context)
+    ]
+    fits = [v for v in variants if DECODE_PROMPT_TOKENS + v.max_tokens() <= max_context]
+    steps += [WarmupStep("decode", k, tuple(fits)) for k in range(1, max_running + 1) if fits]
+    return steps
+
+
+def plan_for_request(request: GenerationRequest, max_context: int) -> list[WarmupStep]:
+    """What one request will run (`cluster generate`): its prompt's prefill (the same
+    chunks), and decode at batch 1 with its MTP setting (every depth under `auto`)."""
+    options = request.options
+    if options.mtp:
+        depths = range(AUTO_MAX_DEPTH + 1) if options.mtp_depth == "auto" else (options.mtp_depth,)
+        variants = tuple(Variant(True, d) for d in depths)
+    else:
+        variants = (Variant(False),)
+    steps = [WarmupStep("prefill", len(request.prompt), variants[-1:])]
+    fits = tuple(v for v in variants if DECODE_PROMPT_TOKENS + v.max_tokens() <= max_context)
+    if fits:
+        steps.append(WarmupStep("decode", 1, fits))
+    return steps
+
+
+def synthetic_prompt(length: int, seed: int, vocab_size: int) -> tuple[int, ...]:
+    """`length` valid token ids repeating a cycle of CYCLE (a pattern the model can go on
+    with, rather than noise), different for each `seed`."""
+    cycle = [(seed * 131 + j * 7919 + 1000) % vocab_size for j in range(CYCLE)]
+    return tuple(cycle[i % CYCLE] for i in range(length))
+
+
+_ids = iter(range(1 << 62))
+
+
+def _request_id() -> str:
+    return f"warmup-{next(_ids)}"
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WarmupProgress:
+    """How far the warm-up is, as the terminal, the dashboard, /health and /metrics show it.
+
+    `state` is "warming" from the start of a warm-up to its end and "ready" otherwise;
+    `done` of `total` steps, `step` the one running (or the last); `seconds` the last
+    warm-up's duration (so far, while warming). `skipped`: warm-up turned off; `error`: the
+    last one failed, and the cluster serves cold. `driven`: what each step submitted."""
+
+    state: Literal["warming", "ready"] = "ready"
+    done: int = 0
+    total: int = 0
+    step: str = ""
+    skipped: bool = False
+    error: str = ""
+    driven: list[Driven] = field(default_factory=list)
+    _seconds: float = field(default=0.0, init=False)
+    _started: float | None = field(default=None, init=False)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def __post_init__(self) -> None:
+        if self.state == "ready":
+            self._ready.set()
+
+    @property
+    def seconds(self) -> float:
+        if self._started is not None:
+            return time.monotonic() - self._started
+        return self._seconds
+
+    def begin(self, total: int) -> None:
+        self.state, self.done, self.total, self.step, self.error = "warming", 0, total, "", ""
+        self.driven = []
+        self._started = time.monotonic()
+        self._ready.clear()
+
+    def finish(self, error: str = "") -> None:
+        self._seconds = self.seconds
+        self._started = None
+        self.state, self.error = "ready", error
+        self._ready.set()
+
+    def skip(self) -> None:
+        self.skipped = True
+        self.finish()
+
+    async def ready(self) -> None:
+        """Return once no warm-up runs or is due."""
+        await self._ready.wait()
+
+    def line(self) -> str:
+        """What the terminal and the dashboard say: "warming 3/15: decode batch 4"."""
+        if self.state == "warming":
+            return f"warming {self.done + 1}/{self.total}: {self.step}"
+        if self.skipped:
+            return "warm-up skipped"
+        if self.error:
+            return f"warm-up failed after {self.seconds:.1f} s, serving cold: {self.error}"
+        return f"warm in {self.seconds:.1f} s ({self.total} steps)"
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "done": self.done,
+            "total": self.total,
+            "step": self.step,
+            "seconds": round(self.seconds, 3),
+            "skipped": self.skipped,
+            "error": self.error,
+            "line": self.line(),
+        }
+
+    def prometheus(self) -> str:
+        """Its gauges in the Prometheus text format, to append to /metrics."""
+        return (
+            "# HELP cluster_warmup_seconds How long the last warm-up took (so far, while"
+            " warming).\n"
+            "# TYPE cluster_warmup_seconds gauge\n"
+            f"cluster_warmup_seconds {self.seconds:.3f}\n"
+            "# HELP cluster_warming 1 while the nodes warm up (not ready), else 0.\n"
+            "# TYPE cluster_warming gauge\n"
+            f"cluster_warming {int(self.state == 'warming')}\n"
+        )
+
+
+# Called before each step (`progress.step` names it) and once more at the end: a test
+# holds the warm-up here, or reads the nodes' counters between steps.
+WarmupHook = Callable[[WarmupProgress], Awaitable[None]]
+
+
+# -- running it ----------------------------------------------------------------------------
+
+
+async def run_warmup(
+    pipeline: Pipeline,
+    steps: list[WarmupStep],
+    *,
+    prefill_chunk: int,
+    vocab_size: int,
+    progress: WarmupProgress,
+    hook: WarmupHook | None = None,
+    say: Callable[[str], None] | None = None,
+) -> None:
+    """Run `steps` through `pipeline` (prompts cut in `prefill_chunk` chunks, as the serving
+    engine cuts them), reporting in `progress` and, line by line, to `say`. Raises what a
+    request meets (a node lost: `NodeUnavailable`); `progress` then stays "warming"."""
+    recorder = _Recorder(pipeline)
+    engine = GenerationEngine(recorder, prefill_chunk=prefill_chunk)  # no conversation cache
+    progress.begin(len(steps))
+    for i, step in enumerate(steps):
+        progress.done, progress.step = i, step.label
+        if say is not None:
+            say(progress.line())
+        if hook is not None:
+            await hook(progress)
+        for variant in step.variants:
+            recorder.reset()
+            async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
+                for request in step.requests(variant, vocab_size):
+                    group.create_task(_drain(engine, request))
+            progress.driven.append(recorder.driven(step.kind, variant))
+    progress.done = len(steps)
+    progress.finish()
+    if say is not None:
+        say(progress.line())
+    if hook is not None:
+        await hook(progress)
+
+
+async def _drain(engine: GenerationEngine, request: GenerationRequest) -> None:
+    # Closed here, not by the garbage collector: the request is released on every node now.
+    async with contextlib.aclosing(engine.stream(request)) as chunks:
+        async for _ in chunks:
+            pass
+
+
+class _Recorder:
+    """The pipeline as the warm-up's engine sees it: every step passed on, and counted."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.reset()
+
+    @property
+    def max_context(self) -> int:
+        return self.pipeline.max_context
+
+    def reset(self) -> None:
+        self.positions = 0
+        self.prompt_tokens = 0
+        self._in_flight: Counter[int] = Counter()  # decode steps in flight, by width
+        self.most_in_flight: Counter[int] = Counter()
+
+    async def submit(self, step: StepRequest) -> StepResult:
+        self.positions += len(step.tokens)
+        decode = step.n_confirmed == 1 and step.position > 0
+        width = len(step.tokens)
+        if not decode:
+            self.prompt_tokens += len(step.tokens)
+            return await self.pipeline.submit(step)
+        self._in_flight[width] += 1
+        self.most_in_flight[width] = max(self.most_in_flight[width], self._in_flight[width])
+        try:
+            return await self.pipeline.submit(step)
+        finally:
+            self._in_flight[width] -= 1
+
+    async def release(self, request_id: str) -> None:
+        await self.pipeline.release(request_id)
+
+    def driven(self, kind: str, variant: Variant) -> Driven:
+        size = self.prompt_tokens if kind == "prefill" else self.most_in_flight[variant.width]
+        depth = variant.depth if variant.mtp else 0
+        return Driven(kind, size, variant.mtp, depth, self.positions)
