@@ -30,6 +30,7 @@ from coordinator.api_keys import ApiKeys, api_key_middleware
 from coordinator.chat_prompt import render_chat_prompt
 from coordinator.chat_reply import ChatReply
 from coordinator.chat_request import parse_chat_request
+from coordinator.history import History
 from coordinator.logprobs import TokenText
 from coordinator.metrics import ClusterView, RequestCounters, cluster_json, render_prometheus
 from coordinator.openai_schema import (
@@ -70,6 +71,7 @@ def create_app(
     mtp_depth: MtpDepth = 1,
     mtp_head: bool = True,
     warmup: WarmupProgress | None = None,
+    history: History | None = None,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
@@ -81,10 +83,14 @@ def create_app(
     request that does not name its own. Without `mtp_head` (a checkpoint without `mtp.*`)
     every request is served without drafts, and /api/cluster says so. While `warmup` says
     "warming", /health answers 503 "warming"; /api/cluster and /metrics show its progress.
+    `history` keeps the dashboard's charts (/api/history): the requests served here report
+    their tokens and latencies to its recorder, and whoever owns it runs its sampler (the
+    coordinator does). Without one, the app keeps a history that nobody samples.
     """
     counters = counters or RequestCounters()
     api = _Api(engine, tokenizer, view, model_id, admission, counters, mtp_depth, mtp_head)
     api.warmup = warmup
+    api.history = history or History(view)
     keys = api_keys or ApiKeys()
     app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
@@ -93,6 +99,7 @@ def create_app(
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/api/cluster", api.cluster)
+    app.router.add_get("/api/history", _guarded_as("/api/cluster", keys, api.history_json))
     app.router.add_get("/", _dashboard)
     app.router.add_static("/static/", STATIC_DIR)
     return app
@@ -105,6 +112,7 @@ class _Api:
     """The handlers, sharing the engine, tokenizer, view, admission and counters."""
 
     warmup: WarmupProgress | None = None  # the coordinator's warm-up, where it has one
+    history: History  # the dashboard's charts; each request's tokens and latencies go to it
 
     def __init__(
         self,
@@ -209,6 +217,10 @@ class _Api:
         }
         return web.json_response(body, headers={"Cache-Control": "no-store"})
 
+    async def history_json(self, request: web.Request) -> web.Response:
+        body = self.history.as_json()
+        return web.json_response(body, headers={"Cache-Control": "no-store"})
+
     # --- generation -------------------------------------------------------------------------
 
     def counted(self, handler: _Handler) -> _Handler:
@@ -284,14 +296,17 @@ class _Api:
         constraint: TokenConstraint | None = None,
     ) -> web.StreamResponse:
         generation = self._generation_request(prompt, params, constraint)
+        # Timed from here: the wait for a slot is part of the client's time to first token.
+        timed = self.history.recorder.timed(self._engine)
         async with self._admission.slot():
             self._counters.in_flight += 1
             self._counters.prompt_tokens_total += len(prompt)
-            stream = TextStream(self._engine, self._tokenizer, generation, params.stop)
+            stream = TextStream(timed, self._tokenizer, generation, params.stop)
             try:
                 if params.stream:
                     return await self._send_events(request, stream, params, fmt, len(prompt))
-                return await self._send_whole(request, stream, fmt, len(prompt))
+                mtp = self._mtp_asked(params)
+                return await self._send_whole(request, stream, fmt, len(prompt), mtp)
             finally:
                 try:
                     # Cancels the request on every node if still running, else releases it
@@ -301,9 +316,21 @@ class _Api:
                 finally:
                     self._counters.in_flight -= 1
                     self._counters.completion_tokens_total += stream.completion_tokens
+                    self.history.recorder.finished(timed)
+
+    def _mtp_asked(self, params: CommonParams) -> bool:
+        """Whether the request asked for MTP drafts (on, at its own depth or the server's
+        above 0): its usage then reports them, 0 where none came (a model without a head)."""
+        depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
+        return params.mtp and depth != 0
 
     async def _send_whole(
-        self, request: web.Request, stream: TextStream, fmt: ResponseObjects, prompt_tokens: int
+        self,
+        request: web.Request,
+        stream: TextStream,
+        fmt: ResponseObjects,
+        prompt_tokens: int,
+        mtp: bool = False,
     ) -> web.Response:
         while (text := await stream.next_text()) is not None:
             fmt.absorb(text)
@@ -312,7 +339,7 @@ class _Api:
             if _client_gone(request):
                 log.info("client went away; cancelling its request")
                 break
-        usage = _usage(prompt_tokens, stream)
+        usage = _usage(prompt_tokens, stream, mtp)
         body = fmt.whole(stream.finish_reason or "stop", usage, stream.logprobs)
         return web.json_response(body)
 
@@ -339,7 +366,8 @@ class _Api:
                     break
                 text = await stream.next_text()
             if params.include_usage:
-                await _send_event(response, fmt.usage(_usage(prompt_tokens, stream)))
+                usage = _usage(prompt_tokens, stream, self._mtp_asked(params))
+                await _send_event(response, fmt.usage(usage))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:  # failed after the headers went out: say so in the stream
             self._counters.errors_total += 1
@@ -352,14 +380,29 @@ class _Api:
         return response
 
 
-def _usage(prompt_tokens: int, stream: TextStream) -> Usage:
+def _usage(prompt_tokens: int, stream: TextStream, mtp: bool) -> Usage:
     return Usage(
         prompt_tokens,
         stream.completion_tokens,
         stream.cached_tokens,
         stream.drafted,
         stream.accepted,
+        mtp=mtp,
     )
+
+
+def _guarded_as(path: str, keys: ApiKeys, handler: _Handler) -> _Handler:
+    """`handler` needing the key that `path` needs, whatever its own path: the dashboard's
+    history is as private as the rest of its data (`/api/cluster`), whether or not
+    `api_keys.MONITORING_PATHS` names its route. The key check is the middleware's own."""
+    check = api_key_middleware(keys)
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if keys.guards(path) and not keys.guards(request.path):
+            return await check(request.clone(rel_url=path), lambda _as_path: handler(request))
+        return await handler(request)
+
+    return guarded
 
 
 def _client_gone(request: web.Request) -> bool:

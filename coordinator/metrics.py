@@ -55,6 +55,11 @@ class NodeStatus:
     chip: str = ""
     os: str = ""
     cpu_count: int = 0
+    # The MTP depth the tail chose per step, cumulative (0 on other nodes): steps decided,
+    # those at depth 0, the drafts chosen over them (`pb.NodeInfo.mtp_*`).
+    mtp_steps_decided: int = 0
+    mtp_steps_plain: int = 0
+    mtp_drafts_chosen: int = 0
     # The conversation cache's share on the node: its prefix snapshots, their bytes, budget.
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0

@@ -297,13 +297,19 @@ def unsupported(message: str, param: str) -> ApiError:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts; MTP drafts are OpenAI's prediction tokens (accepted or rejected)."""
+    """Token counts; MTP drafts are OpenAI's prediction tokens (accepted or rejected).
+
+    The drafts' counts (`completion_tokens_details`) are there whenever the request asked for
+    MTP (`mtp`), 0 and 0 when nothing was drafted (a model without an MTP head), so that a
+    client can tell "no drafts" from "not asked"; and whenever something was drafted.
+    """
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the conversation cache
     drafted: int = 0
     accepted: int = 0
+    mtp: bool = False  # the request asked for MTP drafts
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -312,7 +318,7 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
-        if self.drafted:
+        if self.drafted or self.mtp:
             body["completion_tokens_details"] = {
                 "accepted_prediction_tokens": self.accepted,
                 "rejected_prediction_tokens": self.drafted - self.accepted,

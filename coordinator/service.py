@@ -32,6 +32,7 @@ from coordinator.admission import AdmissionController
 from coordinator.api import create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
+from coordinator.history import History
 from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
 from coordinator.replay import ReplayingEngine
@@ -107,6 +108,8 @@ class Coordinator:
         # Without it every request is served without drafts, whatever it asks for.
         self.has_mtp_head = self.footprint.has_mtp and self.footprint.mtp_layers > 0
         self.counters = RequestCounters()
+        # The dashboard's last 15 minutes: sampled by a task of ours from start() to close().
+        self.history = History(self)
         self.plan: PlacementPlan | None = None
         self.pipeline: RemotePipeline | None = None
         self.engine: MeteredEngine | None = None
@@ -143,6 +146,7 @@ class Coordinator:
             self._tasks.append(asyncio.create_task(self.weights.show_progress()))
         await self.directory.start()
         self._tasks.append(asyncio.create_task(self._poll_nodes()))
+        self._tasks.append(asyncio.create_task(self.history.run()))
         deadline = time.monotonic() + wait_for_nodes_s
         while True:
             try:
@@ -458,6 +462,9 @@ class Coordinator:
             chip=info.chip,
             os=info.os,
             cpu_count=info.cpu_count,
+            mtp_steps_decided=info.mtp_steps_decided,
+            mtp_steps_plain=info.mtp_steps_plain,
+            mtp_drafts_chosen=info.mtp_drafts_chosen,
             prefix_snapshots=info.prefix_snapshots,
             prefix_snapshot_bytes=info.prefix_snapshot_bytes,
             prefix_budget_bytes=info.prefix_budget_bytes,
@@ -529,6 +536,7 @@ async def run_coordinator(
         mtp_depth=settings.mtp_depth,
         mtp_head=coordinator.has_mtp_head,
         warmup=coordinator.warmup,
+        history=coordinator.history,
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

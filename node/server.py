@@ -400,6 +400,10 @@ class NodeService(pb_grpc.NodeServicer):
             info.batches_total = stats.batches_total
             if self.stage.hop_probe is not None:
                 info.next_hop_rtt_ms = self.stage.hop_probe.mean_rtt_ms
+            if runner.tail is not None:  # the depth the tail chose per step (Tail.depth_steps)
+                info.mtp_steps_decided = runner.tail.depth_steps
+                info.mtp_steps_plain = runner.tail.depth_plain_steps
+                info.mtp_drafts_chosen = runner.tail.depth_drafts
         return info
 
     async def _sweep_idle(self) -> None:

@@ -45,7 +45,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., next_node_pinned: _Optional[bool] = ..., next_node_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "links", "hop", "shard_loads", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes", "step_phases", "steps_ahead_used", "steps_ahead_undone", "step_port", "step_records", "keeps_awake", "keep_awake_note")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "links", "hop", "shard_loads", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "mtp_steps_decided", "mtp_steps_plain", "mtp_drafts_chosen", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes", "step_phases", "steps_ahead_used", "steps_ahead_undone", "step_port", "step_records", "keeps_awake", "keep_awake_note")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,9 @@ class NodeInfo(_message.Message):
     CHIP_FIELD_NUMBER: _ClassVar[int]
     OS_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MTP_STEPS_DECIDED_FIELD_NUMBER: _ClassVar[int]
+    MTP_STEPS_PLAIN_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFTS_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +123,9 @@ class NodeInfo(_message.Message):
     chip: str
     os: str
     cpu_count: int
+    mtp_steps_decided: int
+    mtp_steps_plain: int
+    mtp_drafts_chosen: int
     epoch: int
     mlx_active_bytes: int
     mlx_cache_bytes: int
@@ -132,7 +138,7 @@ class NodeInfo(_message.Message):
     step_records: bool
     keeps_awake: bool
     keep_awake_note: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., hop: _Optional[_Union[HopLink, _Mapping]] = ..., shard_loads: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ..., step_phases: _Optional[_Union[StepPhases, _Mapping]] = ..., steps_ahead_used: _Optional[int] = ..., steps_ahead_undone: _Optional[int] = ..., step_port: _Optional[int] = ..., step_records: _Optional[bool] = ..., keeps_awake: _Optional[bool] = ..., keep_awake_note: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., hop: _Optional[_Union[HopLink, _Mapping]] = ..., shard_loads: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., mtp_steps_decided: _Optional[int] = ..., mtp_steps_plain: _Optional[int] = ..., mtp_drafts_chosen: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ..., step_phases: _Optional[_Union[StepPhases, _Mapping]] = ..., steps_ahead_used: _Optional[int] = ..., steps_ahead_undone: _Optional[int] = ..., step_port: _Optional[int] = ..., step_records: _Optional[bool] = ..., keeps_awake: _Optional[bool] = ..., keep_awake_note: _Optional[str] = ...) -> None: ...
 
 class StepPhases(_message.Message):
     __slots__ = ("queued_ms", "handoff_ms", "decode_ms", "layers_ms", "encode_ms", "send_ms")

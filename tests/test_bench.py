@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from cluster.cli import main
+from cluster.messages import MAX_MTP_DEPTH
 from tests.daemons import ENDPOINT, Daemon, free_port
 
 PLOTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_vs_prompt", "mtp_on_off")
@@ -74,6 +75,12 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         metrics = scenario["metrics"]
         assert metrics["total_output_tokens"] == MAX_TOKENS * asked["requests"]
         assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
+        # The depth the tail chose per step (the server's default), from its counters.
+        depth, plain = metrics["auto_depth_mean"], metrics["auto_depth0_share"]
+        if asked["mtp"]:
+            assert 0 <= depth <= MAX_MTP_DEPTH and 0 <= plain <= 1, (depth, plain)
+        else:
+            assert depth is None and plain is None
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
         assert all(n["hop_rtt_ms"] > 0 for n in scenario["nodes"])  # pings and heartbeats
@@ -109,6 +116,9 @@ def test_url_run_gives_the_same_metric_set(
         assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
         assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
     assert remote["settings"]["mtp_depth"] == 2 and closed["metrics"]["mtp_drafted"] > 0
+    for scenario in (closed, poisson):  # a fixed depth: chosen on every step, over `cluster up`
+        assert scenario["metrics"]["auto_depth_mean"] == 2.0
+        assert scenario["metrics"]["auto_depth0_share"] == 0.0
     assert poisson["settings"]["rate"] == 8.0 and poisson["settings"]["concurrency"] is None
     assert "p16 c=2 sampled mtp" in done.stdout and "p16 rate=8/s sampled mtp" in done.stdout
 

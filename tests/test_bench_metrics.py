@@ -106,6 +106,45 @@ def test_node_breakdown_by_hand() -> None:
     assert tail["step_ms"] == pytest.approx(50.0) and tail["hop_rtt_ms"] == pytest.approx(2.0)
 
 
+def test_chosen_depth_from_the_tails_counters_by_hand(tmp_path: Path) -> None:
+    """The tail's cumulative depth counters, differenced over the scenario: 40 steps decided,
+    30 of them at depth 0, 25 drafts chosen over them -> mean depth 0.625, 75 % at 0; in the
+    table, the JSON and the CSV beside the acceptance. No step decided (MTP off): None."""
+    counters = {"mtp_steps_decided": 100, "mtp_steps_plain": 60, "mtp_drafts_chosen": 50}
+    cluster = {"nodes": [_node("head", 0, 4), _node("tail", 4, 8, **counters)]}
+    later = json.loads(json.dumps(cluster))
+    later["nodes"][1] |= {"mtp_steps_decided": 140, "mtp_steps_plain": 90,
+                          "mtp_drafts_chosen": 75}  # fmt: skip
+    rows = nodes.breakdown(nodes.snapshot(cluster), nodes.snapshot(later), wall_s=1.0)
+    head, tail = rows
+    assert (head["mtp_steps_decided"], head["mtp_drafts_chosen"]) == (0, 0)  # not the tail
+    assert (tail["mtp_steps_decided"], tail["mtp_steps_plain"], tail["mtp_drafts_chosen"]) == (
+        40, 30, 25,
+    )  # fmt: skip
+    assert nodes.depth_counts(rows) == (40, 30, 25)
+    depth = metrics.chosen_depth(*nodes.depth_counts(rows))
+    assert depth["auto_depth_mean"] == pytest.approx(0.625)
+    assert depth["auto_depth0_share"] == pytest.approx(0.75)
+    assert metrics.chosen_depth(0, 0, 0) == {"auto_depth_mean": None, "auto_depth0_share": None}
+
+    run = _report(1.0)
+    run["scenarios"][0]["nodes"] = rows
+    shown = report.complete(run)["scenarios"][0]["metrics"]
+    keys = list(shown)
+    at = keys.index("acceptance_rate")
+    assert keys[at + 1 : at + 3] == ["auto_depth_mean", "auto_depth0_share"]  # beside it
+    assert "auto_depth_mean" not in run["scenarios"][0]["metrics"]  # a copy
+    assert "0.62" in report.table(run) and "75%" in report.table(run)
+    json_path, csv_path = report.write(run, tmp_path)
+    (row,) = csv.DictReader(csv_path.open())
+    saved = json.loads(json_path.read_text())["scenarios"][0]["metrics"]
+    assert saved["auto_depth_mean"] == pytest.approx(0.625) == float(row["auto_depth_mean"])
+    assert saved["auto_depth0_share"] == pytest.approx(0.75) == float(row["auto_depth0_share"])
+    old = _report(1.0)  # no counters in its node rows (MTP off, or an older version)
+    (row,) = report.csv_rows(old)
+    assert row["auto_depth_mean"] is None and row["auto_depth0_share"] is None
+
+
 def test_prompts_have_exact_lengths_and_distinct_prefixes(tokenizer) -> None:
     source = PromptSource(tokenizer)
     assert len(source.ids) > 60_000  # real text, tokenized

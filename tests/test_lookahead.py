@@ -131,9 +131,9 @@ def test_a_verdict_the_host_reads_otherwise_undoes_the_step_built_on_it(
     import cluster.decode.tail
     from cluster.decode.verify import decide
 
-    def accept_all(candidates, drafts):
+    def accept_all(candidates, drafts, forced=None):
         if not drafts:
-            return decide(candidates, drafts)
+            return decide(candidates, drafts, forced)
         return (*drafts, candidates.target.tolist()[len(drafts)]), len(drafts)
 
     monkeypatch.setattr(cluster.decode.tail, "decide", accept_all)

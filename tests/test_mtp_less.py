@@ -239,3 +239,47 @@ def test_the_coordinator_serves_without_drafts_and_says_so(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_a_request_asking_for_mtp_of_a_headless_model_shows_0_drafted():
+    """Served by a model without an MTP head, a request that asks for MTP (explicitly, or by
+    the default) gets usage with 0 accepted and 0 rejected drafts, streamed or whole; one
+    that turns MTP off (or asks for depth 0) gets no draft counts at all."""
+    from coordinator.admission import AdmissionController
+    from coordinator.api import create_app
+    from tests.fakes import MODEL_ID, FakeClusterView, FakeEngine, ServedApp, tokenizer
+
+    engine = FakeEngine(reply=lambda _request: (5, 6, 7, 8), chunk_size=16)  # one chunk
+    view = FakeClusterView()
+    admission = AdmissionController(4, 8, 10.0)
+    app = create_app(
+        engine, tokenizer(), view, model_id=MODEL_ID, admission=admission, mtp_head=False
+    )
+    served = ServedApp(app)
+    served.start()
+
+    def usage(**extra: object) -> dict:
+        body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True, **extra}
+        request = urllib.request.Request(
+            f"{served.url}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            if not extra.get("stream"):
+                return json.load(response)["usage"]
+            events = [line[6:] for line in response.read().decode().splitlines()]
+            (last,) = [json.loads(e) for e in events if e.startswith("{") and '"usage"' in e]
+            return last["usage"]
+
+    zero = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    try:
+        assert usage(mtp=True, mtp_depth=3)["completion_tokens_details"] == zero
+        assert usage()["completion_tokens_details"] == zero  # MTP is on by default
+        streamed = usage(stream=True, stream_options={"include_usage": True})
+        assert streamed["completion_tokens_details"] == zero
+        assert "completion_tokens_details" not in usage(mtp=False)
+        assert "completion_tokens_details" not in usage(mtp_depth=0)
+        assert all(not request.options.mtp for request in engine.requests)  # none drafted
+    finally:
+        served.stop()

@@ -294,3 +294,17 @@ def test_response_objects():
     text = text_completion(ResponseIdentity.new("cmpl", MODEL), "x", "length", Usage(1, 1))
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "x"
     assert text["usage"]["total_tokens"] == 2
+
+
+def test_usage_reports_drafts_whenever_the_request_asked_for_mtp():
+    """0 accepted and 0 rejected when MTP was asked for and nothing was drafted (a model
+    without an MTP head), so that a client tells "no drafts" from "not asked"."""
+    none_drafted = Usage(3, 5, mtp=True).body()
+    assert none_drafted["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 0,
+        "rejected_prediction_tokens": 0,
+    }
+    assert none_drafted["total_tokens"] == 8
+    assert "completion_tokens_details" not in Usage(3, 5, mtp=False).body()  # not asked
+    drafted = Usage(3, 5, drafted=4, accepted=3).body()["completion_tokens_details"]
+    assert drafted == {"accepted_prediction_tokens": 3, "rejected_prediction_tokens": 1}

@@ -20,6 +20,10 @@ Beyond vLLM's set:
                           the decode rate one user sees, 1 / TPOT per request (tok/s)
   acceptance_rate         accepted / drafted MTP tokens, summed over requests (None when
                           nothing was drafted, e.g. MTP off)
+  auto_depth_mean         drafts chosen / steps decided: the mean MTP depth the tail chose
+                          per step over the scenario (`auto`'s choice, or the fixed depth),
+                          from the tail's counters (`chosen_depth`; None without MTP steps)
+  auto_depth0_share       steps decided at depth 0 / steps decided: how often it did not draft
 
 A chunk may carry several tokens (an accepted MTP draft arrives with its correction), so ITL
 is per chunk, as vLLM's is under speculative decoding; TPOT is per token.
@@ -82,6 +86,15 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     out["mtp_accepted"] = sum(r.accepted for r in done)
     out["acceptance_rate"] = out["mtp_accepted"] / drafted if drafted else None
     return out
+
+
+def chosen_depth(steps: int, plain: int, drafts: int) -> dict[str, float | None]:
+    """`auto_depth_mean` and `auto_depth0_share` from the differences of the tail's counters
+    over a scenario: `steps` whose depth it chose, `plain` of them at depth 0, `drafts` chosen
+    over them. None where no step was decided (MTP off, or a node too old to count)."""
+    if steps <= 0:
+        return {"auto_depth_mean": None, "auto_depth0_share": None}
+    return {"auto_depth_mean": drafts / steps, "auto_depth0_share": plain / steps}
 
 
 def _distribution(name: str, seconds: Sequence[float]) -> dict[str, float | None]:

@@ -11,6 +11,10 @@ the scenario:
                coordinator is that node's `coordinator_rtt_ms`)
 
 The busiest node (highest busy share) is the bottleneck; a slow hop shows in `hop_rtt_ms`.
+
+The tail also counts the MTP depth it chose for each step of its requests (`DEPTH_COUNTERS`,
+0 on the other nodes); each row carries their differences, from which `metrics.chosen_depth`
+makes the scenario's mean depth and share of steps at depth 0.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 NodeSnapshot = dict[str, dict[str, Any]]  # node id -> its /api/cluster entry
+# Cumulative on the tail: steps whose next depth it chose, those at depth 0, drafts chosen.
+DEPTH_COUNTERS = ("mtp_steps_decided", "mtp_steps_plain", "mtp_drafts_chosen")
 
 
 def pipeline_nodes(cluster: dict[str, Any]) -> list[dict[str, Any]]:
@@ -68,7 +74,15 @@ def breakdown(before: NodeSnapshot, after: NodeSnapshot, wall_s: float) -> list[
                 "busy_share": busy / wall_s if wall_s > 0 else None,
                 "hop_rtt_ms": hop or None,
                 "coordinator_rtt_ms": now.get("rtt_ms") or None,
+                **{key: now.get(key, 0) - then.get(key, 0) for key in DEPTH_COUNTERS},
             }
         )
         previous = now
     return rows
+
+
+def depth_counts(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """(steps decided, steps at depth 0, drafts chosen) over a scenario's `breakdown` rows
+    (a run of an older version lacks them: zeros)."""
+    steps, plain, drafts = (sum(row.get(key, 0) for row in rows) for key in DEPTH_COUNTERS)
+    return steps, plain, drafts

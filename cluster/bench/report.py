@@ -4,6 +4,10 @@
 The JSON holds everything (settings, versions, commit, every node's hardware, every
 scenario's figures, node breakdown and requests); the CSV has one row per scenario with its
 settings, figures and ratios to the baselines, the same numbers as the JSON.
+
+Each scenario's figures get, beside `acceptance_rate`, the MTP depth the tail chose
+(`auto_depth_mean`, `auto_depth0_share`: `metrics.chosen_depth` of the node counters' differences
+in its node rows), added here (`complete`) so that the table, the JSON and the CSV show them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import __version__
+from cluster.bench import metrics, nodes
 
 JSON_NAME = "bench.json"
 CSV_NAME = "bench.csv"
@@ -36,10 +41,32 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("ITL p99", "p99_itl_ms", "{:.1f}"),
     ("prefill t/s", "prefill_throughput", "{:.0f}"),
     ("accept", "acceptance_rate", "{:.0%}"),
+    ("depth", "auto_depth_mean", "{:.2f}"),
+    ("depth 0", "auto_depth0_share", "{:.0%}"),
 )
 COMPARED = ("output_throughput", "per_stream_throughput", "request_throughput",
             "median_ttft_ms", "mean_tpot_ms", "median_itl_ms", "p99_itl_ms",
-            "acceptance_rate")  # fmt: skip
+            "acceptance_rate", "auto_depth_mean", "auto_depth0_share")  # fmt: skip
+DEPTH_FIGURES = ("auto_depth_mean", "auto_depth0_share")
+
+
+def complete(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` with each scenario's figures holding the depth the tail chose, right after
+    `acceptance_rate`, from its node rows (a copy; figures already there are kept)."""
+    scenarios = []
+    for scenario in report.get("scenarios", []):
+        figures = scenario["metrics"]
+        if all(key in figures for key in DEPTH_FIGURES):
+            scenarios.append(scenario)
+            continue
+        depth = metrics.chosen_depth(*nodes.depth_counts(scenario.get("nodes", [])))
+        ordered: dict[str, Any] = {}
+        for key, value in figures.items():
+            ordered[key] = value
+            if key == "acceptance_rate":
+                ordered |= depth
+        scenarios.append({**scenario, "metrics": ordered | depth})
+    return {**report, "scenarios": scenarios}
 
 
 def versions() -> dict[str, Any]:
@@ -98,6 +125,7 @@ def describe_node(node: dict[str, Any]) -> str:
 def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One flat row per scenario: name, settings, every metric, the ratios, then the run's
     model, nodes (hardware), versions and commit, alike on every row."""
+    report = complete(report)
     versions = report.get("versions", {})
     run = {
         "model": report.get("model"),
@@ -119,6 +147,7 @@ def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 def write(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """bench.json and bench.csv under `out_dir` (created if need be)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    report = complete(report)
     json_path = out_dir / JSON_NAME
     json_path.write_text(json.dumps(report, indent=2))
     rows = csv_rows(report)
@@ -133,6 +162,7 @@ def write(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def table(report: dict[str, Any]) -> str:
     """The terminal table: one line per scenario, then each node's share of the work."""
+    report = complete(report)
     width = max([len(s["name"]) for s in report["scenarios"]] + [8])
     lines = [f"{report.get('model', '?')} on {len(report.get('hardware', []))} node(s):"]
     lines += [f"  {describe_node(n)}" for n in report.get("hardware", [])]
@@ -190,6 +220,7 @@ def _baseline_lines(report: dict[str, Any]) -> list[str]:
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Two runs side by side, scenario by scenario (matched by name): A, B and B / A."""
+    a, b = complete(a), complete(b)
     by_name = {s["name"]: s for s in b["scenarios"]}
     lines = [
         f"A: {_describe(a)}",

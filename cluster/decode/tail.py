@@ -156,6 +156,7 @@ class TailJob:
     draft: tuple[mx.array, mx.array] | None = None  # the next draft and its distribution
     draft_hidden: mx.array | None = None  # [hidden]: the MTP output the next draft came from
     depth: int = 0  # drafts to hand back for the next step
+    decided: bool = False  # the depth policy chose `depth` in this step (`Tail.depth_steps`)
     emitted: tuple[int, ...] = ()
     keep: int = 0
     accepted: int = 0
@@ -207,6 +208,13 @@ class Tail:
         self.acceptance = Acceptance()  # over all requests: a new request's starting point
         # For tests and benchmarks only: each drafted step's verdict (`ForcedVerdict`).
         self.force_verdict = force_verdict
+        # The depth chosen for each next step of an MTP request (fixed, or `auto`'s choice),
+        # cumulative, counted when the step that chose it concludes (a step built ahead and
+        # undone chose nothing): steps decided, those at depth 0, the drafts chosen over them.
+        # The node reports them (NodeInfo.mtp_*); `cluster bench` takes their differences.
+        self.depth_steps = 0
+        self.depth_plain_steps = 0
+        self.depth_drafts = 0
 
     def open(self, options: RequestOptions | None) -> TailRequest:
         options = options or RequestOptions()
@@ -262,6 +270,7 @@ class Tail:
             if job.candidates is not None or job.replays:
                 others = positions - len(job.step.tokens)
                 job.depth = job.state.depth.next_depth(self.step_cost, others, context)
+                job.decided = True
             job.state.discard_speculative()
             self._pair(job, mtp_input)
             _hold_or_feed(job)
@@ -290,6 +299,10 @@ class Tail:
         mx.eval([a for job in jobs for a in job.arrays()])
         for job in jobs:
             self._conclude(job)
+            if job.decided:  # integer adds: this runs per request per step
+                self.depth_steps += 1
+                self.depth_drafts += job.depth
+                self.depth_plain_steps += job.depth == 0
         self._chain([job for job in jobs if job.depth > 1])
         return [self._result(job) for job in jobs]
 

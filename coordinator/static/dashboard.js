@@ -128,6 +128,10 @@ function drawNodes(nodes) {
 function drawStats(data) {
   const { stats, admission } = data;
   $("model-id").textContent = stats.model_id;
+  // What the served model lacks, e.g. "no MTP head: served without drafts"; hidden when none.
+  const note = (data.model && data.model.note) || "";
+  $("model-note").textContent = note;
+  $("model-note").hidden = !note;
   $("stat-tps").textContent = stats.tokens_per_s.toFixed(1);
   $("stat-acceptance").textContent = `${(stats.acceptance_rate * 100).toFixed(1)}%`;
   $("stat-inflight").textContent = String(stats.requests_in_flight);
