@@ -56,10 +56,11 @@ WARM_UP_STEPS = 4  # the first probe of a count: three steps recorded, not one s
 # what the node records as a plain step's cost (a lone one between drafting steps is not).
 HOLD_PLAIN = 4
 PLAIN_PROBE_STEPS = 3  # the first carries the last verdict, the last feeds the MTP head
-# A row more is never taken to cost less than this share of a plain step: each position is
-# read, written and attended to, so a reading below it is the noise of a busy machine. The
-# floor also keeps an acceptance near 0 (whose estimate never quite reaches 0 under the prior)
-# from drafting on costs that read as equal.
+# A row more is never taken to cost less than this share of what a row of the batch costs on
+# average (of the whole step, for a request alone): each position is read, written and
+# attended to, so a reading below it is the noise of a busy machine. The floor also keeps an
+# acceptance near 0 (whose estimate never quite reaches 0 under the prior) from drafting on
+# costs that read as equal.
 MIN_ROW_COST = 0.05
 
 
@@ -118,12 +119,13 @@ def best_depth(
     if plain is None:
         return 0
     best, best_rate, floor = 0, (others + 1) / max(plain, 1e-9), plain
+    row_floor = plain * MIN_ROW_COST / (others + 1)  # of what a row of this batch costs
     for depth in range(1, max_depth + 1):
         seconds = cost.seconds(others + 1 + depth, context)
         if seconds is None:
             break  # a count never timed anywhere: a probe times it
         # More positions always cost more (what says otherwise is noise).
-        seconds = floor = max(seconds, floor + plain * MIN_ROW_COST)
+        seconds = floor = max(seconds, floor + row_floor)
         rate = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
         if rate > best_rate:
             best, best_rate = depth, rate
