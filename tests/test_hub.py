@@ -28,15 +28,19 @@ def lay_out_hub_cache(hf_home: Path, repo_id: str, source: Path, revision: str =
     return snapshot
 
 
-def resolve_offline(hf_home: Path, model: str) -> subprocess.CompletedProcess:
-    """`resolve_model` in a fresh interpreter: huggingface_hub reads HF_HOME and
-    HF_HUB_OFFLINE once, at import."""
+def python_offline(hf_home: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`python ARGV...` in a fresh interpreter with `hf_home` as its offline hub cache:
+    huggingface_hub reads HF_HOME and HF_HUB_OFFLINE once, at import."""
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = "import sys; from cluster.hub import resolve_model; print(resolve_model(sys.argv[1]))"
     return subprocess.run(
-        [sys.executable, "-c", code, model], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120
     )
+
+
+def resolve_offline(hf_home: Path, model: str) -> subprocess.CompletedProcess:
+    code = "import sys; from cluster.hub import resolve_model; print(resolve_model(sys.argv[1]))"
+    return python_offline(hf_home, "-c", code, model)
 
 
 def test_a_repo_id_resolves_from_an_offline_hub_cache(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from cluster.config import bundled_model_path
 from cluster.model.convert import convert
 from cluster.model.loading import NO_MTP_HEAD, has_mtp_head
 from tests.daemons import free_port, wait_until
-from tests.test_hub import lay_out_hub_cache
+from tests.test_hub import lay_out_hub_cache, python_offline
 
 PROMPT = "def fibonacci(n):\n"
 MAX_TOKENS = 24
@@ -125,51 +125,20 @@ def test_mtp_from_refuses_what_has_no_head(checkpoints: dict[str, Path], tmp_pat
 
 def test_generate_takes_a_repo_id_from_an_offline_hub_cache(tmp_path: Path):
     lay_out_hub_cache(tmp_path / "hf", "someone/tiny", bundled_model_path())
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cluster",
-            "generate",
-            "--model",
-            "someone/tiny",
-            "--prompt",
-            PROMPT,
-            "--max-tokens",
-            "8",
-            "--json",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = python_offline(
+        tmp_path / "hf", "-m", "cluster", "generate", "--model", "someone/tiny",
+        "--prompt", PROMPT, "--max-tokens", "8", "--json",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 8
 
 
 def test_mtp_from_a_repo_id_in_an_offline_hub_cache(checkpoints: dict[str, Path], tmp_path: Path):
     lay_out_hub_cache(tmp_path / "hf", "Qwen/tiny", bundled_model_path())
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cluster",
-            "convert",
-            str(checkpoints["bf16-no-mtp"]),
-            str(tmp_path / "grafted"),
-            "--mtp-from",
-            "Qwen/tiny",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = python_offline(
+        tmp_path / "hf", "-m", "cluster", "convert", str(checkpoints["bf16-no-mtp"]),
+        str(tmp_path / "grafted"), "--mtp-from", "Qwen/tiny",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert has_mtp_head(tmp_path / "grafted")
 
