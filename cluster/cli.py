@@ -22,7 +22,7 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
     "down": ("cluster.commands.up", "down_command"),
     "status": ("cluster.commands.status", "status_command"),
     "models": ("cluster.commands.models", "models_command"),
-    "bench": ("cluster.bench.cli", "bench_command"),
+    "bench": ("cluster.commands.bench", "bench_command"),
     "convert": ("cluster.commands.convert", "convert_command"),
     "hosts": ("cluster.commands.hosts", "hosts_group"),
 }

@@ -3,7 +3,7 @@ generate` runs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -27,11 +27,14 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, chat: bool) -> tuple
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteNodes:
-    """Node daemons to run on: their addresses, head first, and how to reach them."""
+class Shards:
+    """Where the model's shards run: its layers split as `ranges` (None: evenly), on the node
+    daemons at `addresses` (head first, reached with the cluster `token` and `tls`) or, with
+    no addresses, in this process."""
 
-    addresses: tuple[str, ...]
-    token: str
+    ranges: list[tuple[int, int]] | None = None
+    addresses: tuple[str, ...] = ()
+    token: str = field(default="", repr=False)
     tls: TLSConfig | None = None
 
 
@@ -42,15 +45,14 @@ async def run_generate(
     chat: bool,
     max_tokens: int,
     options: RequestOptions,
-    ranges: list[tuple[int, int]] | None = None,
-    nodes: RemoteNodes | None = None,
+    shards: Shards = Shards(),
     stream_to: TextIO | None = None,
     warmup: bool = True,
 ) -> dict:
     """Generate for `prompt` (in the model's chat template with `chat`) at most `max_tokens`
-    tokens, in this process or on `nodes`, the layers split as `ranges` (None: evenly). The
-    text goes to `stream_to` as it comes; the result holds the text, the token ids, the
-    prompt's length, the MTP drafts made and accepted, the decode rate, and `warmup_s`.
+    tokens, where `shards` says (this process, or node daemons). The text goes to `stream_to`
+    as it comes; the result holds the text, the token ids, the prompt's length, the MTP drafts
+    made and accepted, the decode rate, and `warmup_s`.
 
     With `warmup`, a synthetic request of the same prompt length and MTP setting runs first
     (cluster.decode.warmup.plan_for_request), untimed: the rate and the time to the first token
@@ -62,16 +64,16 @@ async def run_generate(
     stop = frozenset(config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     request = GenerationRequest(ids, max_tokens, options, stop)
     warm = config.text.vocab_size if warmup else None
-    if nodes is not None:
+    if shards.addresses:
         from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
 
-        settings = PipelineSettings(nodes.token, tls=nodes.tls, ranges=ranges)
-        remote = await open_remote_engine(model_dir, list(nodes.addresses), settings)
+        settings = PipelineSettings(shards.token, tls=shards.tls, ranges=shards.ranges)
+        remote = await open_remote_engine(model_dir, list(shards.addresses), settings)
         try:
             return await _run(remote.engine, tokenizer, request, stream_to, warm)
         finally:
             await remote.close()
-    local = await open_local_engine(model_dir, ranges=ranges, mtp=options.mtp)
+    local = await open_local_engine(model_dir, ranges=shards.ranges, mtp=options.mtp)
     try:
         return await _run(local.engine, tokenizer, request, stream_to, warm)
     finally:

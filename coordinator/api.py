@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,38 +60,56 @@ SSE_HEADERS = {
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the API serves: the model's id (in /v1/models and every reply), the MTP drafts per
+    step of a request that names none, and whether the model has an MTP head at all (without
+    one, a checkpoint whose `mtp.*` were dropped, no request drafts)."""
+
+    model_id: str
+    mtp_depth: MtpDepth = 1
+    mtp_head: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Monitoring:
+    """What the app reports beside the API: the request `counters` (the same ones the
+    `ClusterView` reports in its stats), the coordinator's `warmup` where it has one, and the
+    `history` behind the dashboard's charts (None: one that nobody samples)."""
+
+    counters: RequestCounters = field(default_factory=RequestCounters)
+    warmup: WarmupProgress | None = None
+    history: History | None = None
+
+
 def create_app(
     engine: Engine,
     tokenizer: Any,
     view: ClusterView,
     *,
-    model_id: str,
+    served: ServedModel,
     admission: AdmissionController,
-    counters: RequestCounters | None = None,
     api_keys: ApiKeys | None = None,
-    mtp_depth: MtpDepth = 1,
-    mtp_head: bool = True,
-    warmup: WarmupProgress | None = None,
-    history: History | None = None,
+    monitoring: Monitoring | None = None,
 ) -> web.Application:
     """The coordinator's aiohttp application.
 
-    `tokenizer` is mlx-lm's `TokenizerWrapper`. Pass the same `counters` to the `ClusterView`
-    that reports `ClusterStats`, so that the requests counted here show up in its stats.
+    `tokenizer` is mlx-lm's `TokenizerWrapper`. The `monitoring`'s counters must be those the
+    `ClusterView` reports in its `ClusterStats`, so that the requests counted here show there.
     Run it with `handler_cancellation=True` (AppRunner / run_app) so that a client that hangs
     up cancels its request at once, not only at the next write. With `api_keys`, the routes
-    they guard need `Authorization: Bearer KEY`. `mtp_depth` is the MTP drafts per step of a
-    request that does not name its own. Without `mtp_head` (a checkpoint without `mtp.*`)
-    every request is served without drafts, and /api/cluster says so. While `warmup` says
-    "warming", /health answers 503 "warming"; /api/cluster and /metrics show its progress.
-    `history` keeps the dashboard's charts (/api/history): the requests served here report
+    they guard need `Authorization: Bearer KEY`. `served` names the model and its MTP default
+    (`ServedModel`); without an MTP head every request is served without drafts, and
+    /api/cluster says so. While the `monitoring`'s warm-up says "warming", /health answers 503
+    "warming"; /api/cluster and /metrics show its progress.
+    Its `history` keeps the dashboard's charts (/api/history): the requests served here report
     their tokens and latencies to its recorder, and whoever owns it runs its sampler (the
     coordinator does). Without one, the app keeps a history that nobody samples.
     """
-    counters = counters or RequestCounters()
-    api = _Api(engine, tokenizer, view, model_id, admission, counters, mtp_depth, mtp_head)
-    api.warmup = warmup
-    api.history = history or History(view)
+    monitoring = monitoring or Monitoring()
+    api = _Api(engine, tokenizer, view, served, admission, monitoring.counters)
+    api.warmup = monitoring.warmup
+    api.history = monitoring.history or History(view)
     keys = api_keys or ApiKeys()
     app = web.Application(middlewares=[_openai_errors, api_key_middleware(keys)])
     app.router.add_post("/v1/chat/completions", api.counted(api.chat_completions))
@@ -119,24 +138,22 @@ class _Api:
         engine: Engine,
         tokenizer: Any,
         view: ClusterView,
-        model_id: str,
+        served: ServedModel,
         admission: AdmissionController,
         counters: RequestCounters,
-        mtp_depth: MtpDepth = 1,
-        mtp_head: bool = True,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._view = view
-        self._model_id = model_id
+        self._model_id = served.model_id
         self._admission = admission
         self._counters = counters
         self._stop_tokens = stop_token_ids(tokenizer)
         self._token_text = TokenText(tokenizer)
         self._grammars = JsonGrammars(tokenizer, self._stop_tokens)
         self._created = int(time.time())
-        self._mtp_depth = mtp_depth  # for requests that do not name theirs
-        self._mtp_head = mtp_head  # False: the model has no MTP head, no request drafts
+        self._mtp_depth = served.mtp_depth  # for requests that do not name theirs
+        self._mtp_head = served.mtp_head  # False: the model has no MTP head, no request drafts
 
     # --- OpenAI endpoints -------------------------------------------------------------------
 

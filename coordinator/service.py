@@ -29,7 +29,7 @@ from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_
 from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.transport.wire import step_phases_ms
 from coordinator.admission import AdmissionController
-from coordinator.api import create_app
+from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.history import History
@@ -529,14 +529,10 @@ async def run_coordinator(
         coordinator.engine,
         tokenizer,
         coordinator,
-        model_id=settings.model_dir.name,
+        served=ServedModel(settings.model_dir.name, settings.mtp_depth, coordinator.has_mtp_head),
         admission=admission,
-        counters=coordinator.counters,
         api_keys=api_keys,
-        mtp_depth=settings.mtp_depth,
-        mtp_head=coordinator.has_mtp_head,
-        warmup=coordinator.warmup,
-        history=coordinator.history,
+        monitoring=Monitoring(coordinator.counters, coordinator.warmup, coordinator.history),
     )
     # A client that hangs up cancels its handler at once, and with it the request on every
     # node (RemotePipeline writes the shared step stream from its own task, so a cancelled

@@ -25,7 +25,7 @@ from aiohttp import web
 from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError
 from coordinator.admission import AdmissionController
-from coordinator.api import create_app
+from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
 
@@ -226,10 +226,10 @@ def serve(
         engine,
         tokenizer(),
         view,
-        model_id=MODEL_ID,
+        served=ServedModel(MODEL_ID),
         admission=admission,
-        counters=view.counters,
         api_keys=api_keys,
+        monitoring=Monitoring(view.counters),
     )
     served = ServedApp(app, handler_cancellation=handler_cancellation)
     served.start()

@@ -10,7 +10,7 @@ from cluster.config import bundled_model_path
 from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.decode.local_engine import LocalEngine, open_local_engine
 from coordinator.admission import AdmissionController
-from coordinator.api import create_app
+from coordinator.api import ServedModel, create_app
 from tests.fakes import MODEL_ID, FakeClusterView, ServedApp, tokenizer
 
 
@@ -41,7 +41,9 @@ class RecordingEngine:
 def serve_local_engine(*, mtp: bool) -> Iterator[tuple[ServedApp, RecordingEngine]]:
     engine = RecordingEngine()
     admission = AdmissionController(2, 2, 10.0)
-    app = create_app(engine, tokenizer(), FakeClusterView(), model_id=MODEL_ID, admission=admission)
+    app = create_app(
+        engine, tokenizer(), FakeClusterView(), served=ServedModel(MODEL_ID), admission=admission
+    )
     served = ServedApp(app)
     served.start()
     try:

@@ -23,7 +23,7 @@ import pytest
 
 from cluster.model.loading import NO_MTP_HEAD
 from coordinator.admission import AdmissionController
-from coordinator.api import create_app
+from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.history import History, RequestRecorder
 from tests.fakes import MODEL_ID, FakeClusterView, FakeEngine, ServedApp, tokenizer
 
@@ -97,11 +97,9 @@ def _dashboard(mtp_head: bool) -> Iterator[Dashboard]:
         engine,
         tokenizer(),
         view,
-        model_id=MODEL_ID,
+        served=ServedModel(MODEL_ID, mtp_head=mtp_head),
         admission=AdmissionController(4, 8, 10.0),
-        counters=view.counters,
-        mtp_head=mtp_head,
-        history=history,
+        monitoring=Monitoring(view.counters, history=history),
     )
     served = ServedApp(app)
     served.start()

@@ -26,7 +26,7 @@ from cluster.decode.step_cost import StepCost
 from cluster.messages import RequestOptions, StepRequest, StepResult
 from cluster.model.shard import even_ranges
 from coordinator.admission import AdmissionController
-from coordinator.api import create_app
+from coordinator.api import ServedModel, create_app
 
 node_factory = nodes.node_factory
 
@@ -159,8 +159,8 @@ def _serve_auto(model: Path) -> Iterator[tuple[ServedApp, _StepsEngine]]:
     engine = _StepsEngine()
     admission = AdmissionController(2, 2, 10.0)
     app = create_app(
-        engine, tokenizer(), FakeClusterView(), model_id=MODEL_ID, admission=admission,
-        mtp_depth="auto",
+        engine, tokenizer(), FakeClusterView(), served=ServedModel(MODEL_ID, "auto"),
+        admission=admission,
     )  # fmt: skip
     served = ServedApp(app)
     served.start()

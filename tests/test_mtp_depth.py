@@ -426,12 +426,12 @@ def test_http_requests_name_their_depth_or_get_the_servers() -> None:
     from fakes import MODEL_ID, FakeClusterView, FakeEngine, ServedApp, tokenizer
 
     from coordinator.admission import AdmissionController
-    from coordinator.api import create_app
+    from coordinator.api import Monitoring, ServedModel, create_app
 
     engine, view = FakeEngine.saying("x = 1"), FakeClusterView()
     app = create_app(
-        engine, tokenizer(), view, model_id=MODEL_ID, admission=AdmissionController(2, 2, 5.0),
-        counters=view.counters, mtp_depth="auto",
+        engine, tokenizer(), view, served=ServedModel(MODEL_ID, "auto"),
+        admission=AdmissionController(2, 2, 5.0), monitoring=Monitoring(view.counters),
     )  # fmt: skip
     served = ServedApp(app)
     served.start()

@@ -215,14 +215,14 @@ def test_a_request_asking_for_mtp_of_a_headless_model_shows_0_drafted():
     the default) gets usage with 0 accepted and 0 rejected drafts, streamed or whole; one
     that turns MTP off (or asks for depth 0) gets no draft counts at all."""
     from coordinator.admission import AdmissionController
-    from coordinator.api import create_app
+    from coordinator.api import ServedModel, create_app
     from tests.fakes import MODEL_ID, FakeClusterView, FakeEngine, ServedApp, tokenizer
 
     engine = FakeEngine(reply=lambda _request: (5, 6, 7, 8), chunk_size=16)  # one chunk
     view = FakeClusterView()
     admission = AdmissionController(4, 8, 10.0)
     app = create_app(
-        engine, tokenizer(), view, model_id=MODEL_ID, admission=admission, mtp_head=False
+        engine, tokenizer(), view, served=ServedModel(MODEL_ID, mtp_head=False), admission=admission
     )
     served = ServedApp(app)
     served.start()

@@ -28,7 +28,7 @@ from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, loa
 from cluster.messages import RequestError, RequestOptions, StepRequest
 from cluster.transport.node_client import NodeClient
 from coordinator.admission import AdmissionController
-from coordinator.api import create_app
+from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.discovery import NodeDirectory
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
@@ -223,9 +223,9 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             coordinator.engine,
             load_tokenizer(model_dir),
             coordinator,
-            model_id=model_dir.name,
+            served=ServedModel(model_dir.name),
             admission=AdmissionController(max_running=2, max_queued=4, queue_timeout_s=10),
-            counters=coordinator.counters,
+            monitoring=Monitoring(coordinator.counters),
         )
         client = TestClient(TestServer(app))
         await client.start_server()

@@ -62,7 +62,7 @@ def generate_command(
     as_json: bool,
 ) -> None:
     """Generate text for one prompt, in this process or across node daemons."""
-    from cluster.generate import RemoteNodes, run_generate
+    from cluster.generate import Shards, run_generate
     from cluster.messages import RequestError, RequestOptions, SamplingParams
     from cluster.model.loading import NO_MTP_HEAD, has_mtp_head
     from cluster.transport.auth import TLSConfig
@@ -77,10 +77,10 @@ def generate_command(
             mtp=mtp,
             mtp_depth=mtp_depth,
         )
-        remote = None
+        shards = Shards(layers)
         if nodes:
             tls = TLSConfig.from_files(tls_cert)
-            remote = RemoteNodes(tuple(nodes.split(",")), token or "", tls)
+            shards = Shards(layers, tuple(nodes.split(",")), token or "", tls)
         result = asyncio.run(
             run_generate(
                 model_dir,
@@ -88,8 +88,7 @@ def generate_command(
                 chat=chat,
                 max_tokens=max_tokens,
                 options=options,
-                ranges=layers,
-                nodes=remote,
+                shards=shards,
                 stream_to=None if as_json else sys.stdout,
                 warmup=not no_warmup,
             )

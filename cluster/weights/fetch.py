@@ -39,7 +39,7 @@ from proto import cluster_pb2 as pb
 log = logging.getLogger(__name__)
 
 # Parallel streams per transfer: each takes about a core (receive, hash, write); on a 2-core
-# machine a second stream only competes with the coordinator's side (BENCHMARKS.md).
+# machine a second stream only competes with the sending side for the same cores.
 STREAMS = max(1, min(4, (os.cpu_count() or 2) // 2))
 AHEAD = 2  # chunks per stream received but not yet verified and written
 ROUNDS = 3  # a chunk failing its hash this many times in a row fails the load
