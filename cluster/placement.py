@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.model.footprint import ModelFootprint
+from cluster.model.shard import ShardSpec
 
 SAFETY_MARGIN = 0.10  # of each node's free memory, never planned for
 DEFAULT_BANDWIDTH_GBPS = 100.0
@@ -70,27 +71,55 @@ class NodeCapacity:
 
 
 @dataclass(frozen=True, slots=True)
-class PlacementStage:
-    """One node's share: layers [start, end) plus its extras and caches."""
+class Stage:
+    """A pipeline stage: which node, reached at which address, holds which shard (layers
+    [start, end) and the head/tail roles). The one declaration of that record: a planned
+    stage (`PlacementStage`) and a reported one (`coordinator.metrics.NodeStatus`) extend it;
+    the wire carries the shard as flat fields (`pb.ShardSpec`, `pb.LoadShardRequest`) and the
+    JSON of `/api/cluster` as flat keys (`shard_fields`). `shard` is None for a node on
+    standby: found, but holding no layers."""
 
     node_id: str
-    address: str
-    start: int
-    end: int
-    is_head: bool
-    is_tail: bool
+    address: str  # host:port; empty for a hypothetical node
+    shard: ShardSpec | None
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers the stage holds; 0 on standby."""
+        return self.shard.end - self.shard.start if self.shard else 0
+
+
+def shard_fields(shard: ShardSpec | None) -> dict[str, int | bool]:
+    """`shard` as the flat keys users read (`/api/cluster`, `cluster status`, the dashboard,
+    `cluster bench`): a node on standby shows the empty range [0, 0) and no role, as it
+    always has."""
+    if shard is None:
+        return {"start": 0, "end": 0, "is_head": False, "is_tail": False}
+    return {
+        "start": shard.start,
+        "end": shard.end,
+        "is_head": shard.is_head,
+        "is_tail": shard.is_tail,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementStage(Stage):
+    """One node's share: its stage (never on standby: `shard` is set) plus the memory and
+    time that stage costs."""
+
     weight_bytes: int  # layers + head/tail extras
     cache_bytes: int  # KV + GatedDeltaNet state (+ the MTP KV cache on the tail)
     stage_time_estimate: float  # seconds per decode step: bytes streamed / bandwidth
     memory_free_bytes: int
 
+    def __post_init__(self) -> None:
+        if self.shard is None:  # a plan places every stage it lists
+            raise PlacementError(f"node {self.node_id}: a planned stage needs layers")
+
     @property
     def required_bytes(self) -> int:
         return self.weight_bytes + self.cache_bytes
-
-    @property
-    def num_layers(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +172,14 @@ _TABLE_HEADER = (
 
 
 def _table_row(index: int, s: PlacementStage) -> tuple[str, ...]:
-    role = "+".join(r for r, on in (("head", s.is_head), ("tail", s.is_tail)) if on) or "-"
+    shard = s.shard
+    role = "+".join(r for r, on in (("head", shard.is_head), ("tail", shard.is_tail)) if on) or "-"
     used = s.required_bytes / s.memory_free_bytes if s.memory_free_bytes else math.inf
     return (
         str(index),
         s.node_id,
         s.address or "-",
-        f"[{s.start}, {s.end})",
+        f"[{shard.start}, {shard.end})",
         role,
         format_bytes(s.weight_bytes),
         format_bytes(s.cache_bytes),
@@ -238,10 +268,7 @@ class _Costs:
         return PlacementStage(
             node_id=node.node_id,
             address=node.address,
-            start=start,
-            end=end,
-            is_head=head,
-            is_tail=tail,
+            shard=ShardSpec(start, end, is_head=head, is_tail=tail),
             weight_bytes=self.weights[end] - self.weights[start] + extra,
             cache_bytes=self.cache[end] - self.cache[start] + (self.mtp_cache if tail else 0),
             stage_time_estimate=read / node.bytes_per_second,
@@ -373,7 +400,7 @@ def _fixed_plan(
     for stage, node in zip(stages, nodes, strict=True):
         if stage.required_bytes > node.usable_bytes:
             raise PlacementError(
-                f"node {node.node_id}: layers [{stage.start}, {stage.end}) need "
+                f"node {node.node_id}: layers [{stage.shard.start}, {stage.shard.end}) need "
                 f"{format_bytes(stage.required_bytes)} ({stage.required_bytes} bytes: weights "
                 f"{stage.weight_bytes} + cache {stage.cache_bytes}) but it offers "
                 f"{format_bytes(node.usable_bytes)} ({node.usable_bytes} bytes, "
@@ -434,7 +461,7 @@ def _budget_reasons(costs: _Costs, n_nodes: int) -> list[str]:
 def _bottleneck_reason(stages: Sequence[PlacementStage]) -> str:
     slow = max(stages, key=lambda s: s.stage_time_estimate)
     return (
-        f"slowest stage: {slow.node_id} (layers [{slow.start}, {slow.end})) at "
+        f"slowest stage: {slow.node_id} (layers [{slow.shard.start}, {slow.shard.end})) at "
         f"{slow.stage_time_estimate * 1e3:.3f} ms/step; a stage's time is the bytes it "
         "streams per step over its memory bandwidth"
     )

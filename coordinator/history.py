@@ -225,7 +225,7 @@ class History:
         out = []
         seen: dict[str, tuple[float, int]] = {}
         for node in self.view.node_statuses():
-            if node.end <= node.start:
+            if node.shard is None:
                 continue
             now = (node.busy_seconds_total, node.batches_total)
             seen[node.node_id] = now

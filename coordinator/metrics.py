@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from cluster.placement import Stage, shard_fields
+
 
 @dataclass(frozen=True, slots=True)
 class HopStatus:
@@ -28,15 +30,10 @@ class HopStatus:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeStatus:
-    """One pipeline stage as last heard from. Layer range is half-open: [start, end)."""
+class NodeStatus(Stage):
+    """One pipeline stage as last heard from: its `Stage` (`shard` None on standby) and what
+    the node reports."""
 
-    node_id: str
-    address: str
-    start: int
-    end: int
-    is_head: bool
-    is_tail: bool
     up: bool
     last_heartbeat_s: float  # seconds since the last heartbeat
     memory_used_bytes: int
@@ -85,7 +82,7 @@ class NodeStatus:
         none (the tail, a standby node)."""
         if self.hop is not None:
             return "measured" if self.hop.measured else "given"
-        return "measuring" if self.end > self.start and not self.is_tail else ""
+        return "measuring" if self.shard is not None and not self.shard.is_tail else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +137,22 @@ def cluster_json(view: ClusterView) -> dict[str, object]:
     """The `/api/cluster` document: what the dashboard draws, in pipeline order."""
     nodes = view.node_statuses()
     return {
-        "nodes": [{**asdict(node), "hop_state": node.hop_state} for node in nodes],
+        "nodes": [_node_json(node) for node in nodes],
         "stats": asdict(view.stats()),
         "healthy": bool(nodes) and all(node.up for node in nodes),
     }
+
+
+def _node_json(node: NodeStatus) -> dict[str, object]:
+    """A node as `/api/cluster` has always shown it: the stage's shard flattened in its place
+    (start, end, is_head, is_tail; [0, 0) on standby), then the status, then `hop_state`."""
+    out: dict[str, object] = {}
+    for key, value in asdict(node).items():
+        if key == "shard":
+            out.update(shard_fields(node.shard))
+        else:
+            out[key] = value
+    return out | {"hop_state": node.hop_state}
 
 
 def render_prometheus(
@@ -205,7 +214,7 @@ _NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeStatus], float]], ...] = (
     ("cluster_node_mlx_active_bytes", "MLX arrays alive.", lambda n: n.mlx_active_bytes),
     ("cluster_node_mlx_cache_bytes", "MLX freed buffers kept.", lambda n: n.mlx_cache_bytes),
     ("cluster_node_mlx_peak_bytes", "MLX memory high-water mark.", lambda n: n.mlx_peak_bytes),
-    ("cluster_node_layers", "Decoder layers the node holds.", lambda node: node.end - node.start),
+    ("cluster_node_layers", "Decoder layers the node holds.", lambda node: node.num_layers),
     (
         "cluster_node_prefix_snapshots",
         "Conversation-cache snapshots the node holds.",

@@ -25,6 +25,7 @@ from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, loa
 from cluster.decode.warmup import WarmupHook, WarmupProgress, plan_warmup, run_warmup
 from cluster.model.footprint import ModelFootprint
 from cluster.model.loading import NO_MTP_HEAD
+from cluster.model.shard import ShardSpec
 from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_placement
 from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.transport.wire import step_phases_ms
@@ -203,7 +204,7 @@ class Coordinator:
         self._placed_at = time.monotonic()
         self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         addresses = [stage.address for stage in plan.stages]
-        ranges = [(stage.start, stage.end) for stage in plan.stages]
+        ranges = [(stage.shard.start, stage.shard.end) for stage in plan.stages]
         pipeline = await load_pipeline(
             self.model_dir, addresses, self._pipeline_settings(ranges), epoch=self.epoch
         )
@@ -423,29 +424,20 @@ class Coordinator:
         stages = self.plan.stages if self.plan else []
         for stage in stages:
             placed.add(stage.address)
-            statuses.append(
-                self._status(
-                    stage.address, now, stage.start, stage.end, stage.is_head, stage.is_tail
-                )
-            )
+            statuses.append(self._status(stage.address, now, stage.shard))
         for node in self.directory.nodes():  # standby nodes: found, not in the pipeline
             if node.address not in placed:
-                statuses.append(self._status(node.address, now, 0, 0, False, False))
+                statuses.append(self._status(node.address, now, None))
         return statuses
 
-    def _status(
-        self, address: str, now: float, start: int, end: int, is_head: bool, is_tail: bool
-    ) -> NodeStatus:
+    def _status(self, address: str, now: float, shard: ShardSpec | None) -> NodeStatus:
         heard = self._heard.get(address, _LastReply())
         info = heard.info or pb.NodeInfo(node_id=address)
         up = heard.at > 0 and now - heard.at < DOWN_AFTER_S
         return NodeStatus(
             node_id=info.node_id,
             address=address,
-            start=start,
-            end=end,
-            is_head=is_head,
-            is_tail=is_tail,
+            shard=shard,
             up=up,
             last_heartbeat_s=now - heard.at if heard.at else float("inf"),
             memory_used_bytes=info.memory_used_bytes,
@@ -560,7 +552,7 @@ def _say(line: str) -> None:
 
 
 def _layout(plan: PlacementPlan) -> list[tuple[str, int, int]]:
-    return [(stage.address, stage.start, stage.end) for stage in plan.stages]
+    return [(stage.address, stage.shard.start, stage.shard.end) for stage in plan.stages]
 
 
 def hop_status(hop: pb.HopLink) -> HopStatus:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from cluster.decode.engine import GenerationChunk, GenerationRequest
 from cluster.messages import RequestError
+from cluster.model.shard import ShardSpec
 from coordinator.admission import AdmissionController
 from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.api_keys import ApiKeys
@@ -107,10 +108,7 @@ def node(index: int, *, up: bool = True, layers: int = 8, nodes: int = 3) -> Nod
     return NodeStatus(
         node_id=f"mac-{index}",
         address=f"10.0.0.{index + 10}:50051",
-        start=start,
-        end=end,
-        is_head=index == 0,
-        is_tail=index == nodes - 1,
+        shard=ShardSpec(start, end, index == 0, index == nodes - 1) if start < end else None,
         up=up,
         last_heartbeat_s=0.4 + index,
         memory_used_bytes=(12 + 9 * index) * 2**30,

@@ -66,7 +66,7 @@ def test_dashboard_shows_nodes_and_marks_a_down_one(page_and_server: tuple[Any, 
         card = cards.nth(index)  # pipeline order, head first
         expect(card).to_have_attribute("data-node-id", node.node_id)
         expect(card).to_contain_text(node.address)
-        expect(card).to_contain_text(f"[{node.start}, {node.end})")
+        expect(card).to_contain_text(f"[{node.shard.start}, {node.shard.end})")
         expect(card).to_contain_text(f"{node.step_latency_ms:.1f} ms")
         phases = node.step_phases_ms
         expect(card).to_contain_text(f"layers {phases['layers']:.2f} · handoff 0.20 · decode 0.10")

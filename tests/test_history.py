@@ -108,7 +108,7 @@ def test_rates_are_deltas_of_the_cumulative_counters():
 
 def test_node_step_time_and_busy_share_from_counter_deltas():
     cluster = Cluster()
-    cluster.view.nodes.append(replace(node(3), start=0, end=0, node_id="standby"))
+    cluster.view.nodes.append(replace(node(3), shard=None, node_id="standby"))
     history = cluster.history()
     cluster.counters("mac-0", busy_s=10.0, batches=1000)
     cluster.clock.now += 2.0

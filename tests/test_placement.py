@@ -68,16 +68,17 @@ def place(nodes: list[NodeCapacity], m: ModelFootprint, **kw: object) -> Placeme
 
 
 def ranges(plan: PlacementPlan) -> list[tuple[str, int, int]]:
-    return [(s.node_id, s.start, s.end) for s in plan.stages]
+    return [(s.node_id, s.shard.start, s.shard.end) for s in plan.stages]
 
 
 def check_invariants(plan: PlacementPlan, m: ModelFootprint, nodes: list[NodeCapacity]) -> None:
+    shards = [s.shard for s in plan.stages]
+    assert shards[0].start == 0 and shards[-1].end == m.num_layers
+    assert all(a.end == b.start for a, b in itertools.pairwise(shards))
+    assert all(s.start < s.end for s in shards)
+    assert [s.is_head for s in shards] == [True] + [False] * (len(shards) - 1)
+    assert [s.is_tail for s in shards] == [False] * (len(shards) - 1) + [True]
     stages = plan.stages
-    assert stages[0].start == 0 and stages[-1].end == m.num_layers
-    assert all(a.end == b.start for a, b in itertools.pairwise(stages))
-    assert all(s.start < s.end for s in stages)
-    assert [s.is_head for s in stages] == [True] + [False] * (len(stages) - 1)
-    assert [s.is_tail for s in stages] == [False] * (len(stages) - 1) + [True]
     by_id = {n.node_id: n for n in nodes}
     for s in stages:
         assert s.required_bytes <= by_id[s.node_id].usable_bytes
@@ -90,7 +91,7 @@ def test_fits_on_one_node() -> None:
     m = model()
     plan = place([node("a", 100 * MB), node("b", 100 * MB)], m)
     assert ranges(plan) == [("a", 0, 8)]
-    assert plan.stages[0].is_head and plan.stages[0].is_tail
+    assert plan.stages[0].shard.is_head and plan.stages[0].shard.is_tail
     assert any("one node is enough" in r for r in plan.reasons)
     assert any("not used: b" in r for r in plan.reasons)
 

@@ -493,13 +493,15 @@ def test_after_a_node_dies_the_survivor_fetches_what_it_now_needs(
         try:
             await coordinator.start(wait_for_nodes_s=20)
             progress = asyncio.create_task(coordinator.weights.show_progress(ProgressBars(bars)))
-            head_end = coordinator.plan.stages[0].end
+            head_end = coordinator.plan.stages[0].shard.end
             assert len(coordinator.plan.stages) == 2
             engine = coordinator.engine.engine
             first = [(await engine.generate(r)).tokens for r in requests]
             pair[1].kill()
             deadline = time.monotonic() + 30
-            while coordinator.plan.stages[0].end != NUM_LAYERS or coordinator.pipeline.failure:
+            while (
+                coordinator.plan.stages[0].shard.end != NUM_LAYERS or coordinator.pipeline.failure
+            ):
                 assert time.monotonic() < deadline, "the model was not re-placed"
                 await asyncio.sleep(0.2)
             second = [(await engine.generate(r)).tokens for r in requests]

@@ -151,7 +151,9 @@ class ShardRunner:
         self.steps_ahead_used = 0
         self.steps_ahead_undone = 0
         self.cache_budget_bytes = cache_budget_bytes
-        self.step_cost = StepCost()  # this shard's batches, timed (read by the MTP depth policy)
+        # This shard's batches, timed (read by the MTP depth policy); a shape's first batch,
+        # which builds it, is left out.
+        self.step_cost = StepCost(drop_first=True)
         self.tail = (
             Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm, step_cost=self.step_cost)
             if shard.spec.is_tail

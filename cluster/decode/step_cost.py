@@ -46,8 +46,12 @@ class _Curve:
     positions: list[int] = field(default_factory=list)  # measured counts, sorted
     seconds: dict[int, float] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)
+    first_seen: set[int] = field(default_factory=set)  # counts whose first batch was dropped
 
-    def record(self, positions: int, seconds: float, smoothing: float) -> None:
+    def record(self, positions: int, seconds: float, smoothing: float, drop_first: bool) -> None:
+        if drop_first and positions not in self.first_seen:
+            self.first_seen.add(positions)
+            return
         old = self.seconds.get(positions)
         samples = self.samples.get(positions, 0) + 1
         self.samples[positions] = samples
@@ -87,9 +91,14 @@ class _Curve:
 
 @dataclass(slots=True)
 class StepCost:
-    """Running mean seconds of a batch by number of positions and context bucket."""
+    """Running mean seconds of a batch by number of positions and context bucket.
+
+    `drop_first`: a count's first batch in a bucket is not recorded. A node's first batch of a
+    shape pays for building it (kernels, compiled graphs, buffers of a new size), which says
+    nothing of what the next ones cost and would weigh like a whole sample in the mean."""
 
     smoothing: float = SMOOTHING
+    drop_first: bool = False
     _curves: dict[int, _Curve] = field(default_factory=dict)
     _buckets: list[int] = field(default_factory=list)  # sorted
     _nearest: dict[int, list[int]] = field(default_factory=dict)  # `_by_distance`, kept
@@ -108,7 +117,7 @@ class StepCost:
             curve = self._curves[bucket] = _Curve()
             bisect.insort(self._buckets, bucket)
             self._nearest.clear()
-        curve.record(positions, seconds, self.smoothing)
+        curve.record(positions, seconds, self.smoothing, self.drop_first)
 
     def measured(self, positions: int, context: int = 0) -> bool:
         curve = self._curves.get(context_bucket(context))
