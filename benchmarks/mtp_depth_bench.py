@@ -406,6 +406,50 @@ def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int, lm_mod
     return {"step_by_positions": steps, "keep_or_recompute": keep}
 
 
+ORACLE_VARIANTS = ("off", "1", "2", "3", "auto")
+
+
+async def oracle_table(
+    model_dir: Path, prompt: tuple[int, ...], rates: list[float], rounds: int, max_tokens: int
+) -> dict:
+    """Part 4: decode tokens/s at fixed acceptance rates. The tail's verdict on each draft is
+    drawn at the rate (`benchmarks.oracle_node`'s oracle) instead of tested, so the rate holds
+    whatever the weights are; variants in a shuffled order each round, greedy. Returns, per
+    rate, each variant's median tokens/s and its median ratio over off within a round."""
+    from benchmarks.oracle_node import install_oracle, remove_oracle
+
+    order = random.Random(17)
+    table: dict = {}
+    local = await open_local_engine(model_dir, mtp=True)
+    try:
+        for variant in ORACLE_VARIANTS:  # warm-up: compile and allocate
+            await _decode(local.engine, prompt, variant, 8, GREEDY)
+        for rate in rates:
+            previous = install_oracle(rate, seed=int(rate * 100))
+            try:
+                tps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
+                for _ in range(rounds):
+                    shuffled = list(ORACLE_VARIANTS)
+                    order.shuffle(shuffled)
+                    for variant in shuffled:
+                        run = await _decode(local.engine, prompt, variant, max_tokens, GREEDY)
+                        tps[variant].append(run.decode_tps)
+            finally:
+                remove_oracle(previous)
+            table[str(rate)] = {
+                v: {
+                    "tps": median(tps[v]),
+                    "over_off": median(paired_ratios(tps[v], tps["off"])),
+                }
+                for v in ORACLE_VARIANTS
+            }
+            row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in ORACLE_VARIANTS)
+            print(f"acceptance {rate:.1f}: {row}", flush=True)
+    finally:
+        local.close()
+    return table
+
+
 def shape_steps(args) -> None:
     """Parts 2 and 3 on a real model's shape with random weights (a GPU, typically)."""
     from benchmarks import random_checkpoint
@@ -423,8 +467,13 @@ def shape_steps(args) -> None:
     free_memory()
     print(f"checkpoint {path}: {report['checkpoint']}", flush=True)
     prompt = random_checkpoint.bench_prompt(load_model_config(path).text.vocab_size, 64)
-    runner = bare_runner(path)
-    report.update(steps_and_keep(runner, prompt, args.step_iters))
+    if args.oracle_rates:
+        report["oracle"] = asyncio.run(
+            oracle_table(path, prompt, args.oracle_rates, args.rounds, args.max_tokens)
+        )
+    else:
+        runner = bare_runner(path)
+        report.update(steps_and_keep(runner, prompt, args.step_iters))
     report["seconds"] = time.perf_counter() - started
     print(f"\n{report['seconds']:.0f} s")
     write_json(args.json, report)
@@ -473,6 +522,13 @@ def main(argv: list[str] | None = None) -> None:
         "qwen3_5_27b): parts 2 and 3 only, acceptance needs trained weights",
     )
     parser.add_argument("--bits", type=int, default=4, help="with --shape; 16: bf16")
+    parser.add_argument(
+        "--oracle-rates",
+        type=lambda text: [float(r) for r in text.split(",")],
+        default=None,
+        help="part 4 only: tokens/s of off, depths 1-3 and auto with each draft accepted at "
+        "these fixed rates, e.g. 0,0.3,0.5,0.7,0.9 (with --model or --shape)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.shape:
@@ -482,6 +538,12 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode(tokenizer, p) for p in CODE_PROMPTS]
     report: dict = {"machine": machine(), "args": vars(args) | {"model": str(model_dir)}}
+    if args.oracle_rates:
+        report["oracle"] = asyncio.run(
+            oracle_table(model_dir, prompts[0], args.oracle_rates, args.rounds, args.max_tokens)
+        )
+        write_json(args.json, report)
+        return
     lm = None
     variants = tuple(v for v in VARIANTS if v != MLX_LM or not args.no_mlx_lm)
     if not args.no_mlx_lm:
