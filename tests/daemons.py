@@ -67,10 +67,17 @@ class Daemon:
 
     def stop(self) -> None:
         """Ctrl-C (a node says goodbye over mDNS on its way out), then SIGKILL if need be."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process_group(self.process)
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Ctrl-C to the process group of `process` (started with `start_new_session`), then
+    SIGKILL when it has not exited within `timeout_s`."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -5,9 +5,7 @@ original release, and `--model owner/name` reads a Hugging Face cache, offline."
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -22,7 +20,7 @@ from cluster.commands.generate import generate_command
 from cluster.config import bundled_model_path
 from cluster.model.convert import convert
 from cluster.model.loading import NO_MTP_HEAD, has_mtp_head
-from tests.daemons import free_port, wait_until
+from tests.daemons import free_port, stop_process_group, wait_until
 from tests.test_hub import lay_out_hub_cache, python_offline
 
 PROMPT = "def fibonacci(n):\n"
@@ -202,12 +200,7 @@ def test_the_coordinator_serves_without_drafts_and_says_so(
         )
         assert json.loads(as_json.stdout)["model"]["note"] == NO_MTP_HEAD
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process, timeout_s=30)
 
 
 def test_a_request_asking_for_mtp_of_a_headless_model_shows_0_drafted():

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -27,7 +26,7 @@ from cluster.commands.up import hosts_serving, up_command
 from cluster.config import bundled_model_path
 from cluster.hosts.clusterfile import load_cluster_file
 from coordinator.settings import CoordinatorSettings, OpenEndpointError, ServingOptions
-from tests.daemons import free_port, wait_until
+from tests.daemons import free_port, stop_process_group, wait_until
 
 START_DEADLINE_S = 60.0
 _ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
@@ -143,12 +142,7 @@ def _up(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> Iterat
     try:
         yield wait_until(endpoint, "cluster up's endpoint", START_DEADLINE_S)
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process, timeout_s=30)
 
 
 def _status(url: str, key: str | None = None) -> int:
