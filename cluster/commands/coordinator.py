@@ -17,12 +17,18 @@ NO_WARMUP_HELP = (
 
 
 def serve_coordinator(settings: CoordinatorSettings) -> None:
-    """Run the coordinator's service to its end (Ctrl-C: KeyboardInterrupt). Imported here,
+    """Run the coordinator's service until Ctrl-C, which ends it quietly; what stops it
+    otherwise (a port in use, a model it cannot serve) becomes a click error. Imported here,
     not at the top: the service brings the tokenizer (`transformers`, seconds to import),
     which the commands beside it do without."""
     from coordinator.service import run_coordinator
 
-    asyncio.run(run_coordinator(settings))
+    try:
+        asyncio.run(run_coordinator(settings))
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
 
 
 def build_settings(
@@ -72,9 +78,4 @@ def coordinator_command(
         use_all=all_nodes,
         warmup=not no_warmup,
     )
-    try:
-        serve_coordinator(settings)
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
+    serve_coordinator(settings)

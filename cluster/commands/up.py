@@ -202,12 +202,7 @@ def up_hosts(
         adopt_shards=True,  # nodes that outlived a previous `up` keep their shards
         warmup=warmup,
     )
-    try:
-        serve_coordinator(settings)
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
+    serve_coordinator(settings)
 
 
 @click.command("down")
