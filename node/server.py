@@ -31,6 +31,7 @@ from cluster.messages import RequestError
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
 from cluster.transport.auth import TLSConfig, TokenInterceptor
+from cluster.transport.failover import routes_of
 from cluster.transport.hop_choice import HopChoice, choose_hop
 from cluster.transport.links import local_links
 from cluster.transport.step_link import StepListener
@@ -222,7 +223,12 @@ class NodeService(pb_grpc.NodeServicer):
                     self.token,
                     self.tls,
                 )
-            successor = Successor(self.hop.address, self.token, self.tls) if self.hop else None
+            successor = None
+            if self.hop is not None:
+                routes = routes_of(self.hop, list(request.next_node_links))
+                successor = Successor(
+                    self.hop.address, self.token, self.tls, routes, request.next_node_id
+                )
             self.stage = Stage(
                 runner,
                 self.worker,
@@ -365,6 +371,7 @@ class NodeService(pb_grpc.NodeServicer):
         info.keep_awake_note = self.keep_awake.reason
         if self.hop is not None and self.stage is not None:
             info.hop.CopyFrom(self.hop.to_proto())
+            self._fill_hop_link(info.hop)
         if self.stage is not None and self.shard_request is not None:
             r, runner, stats = self.shard_request, self.stage.runner, self.stage.stats
             info.shard.CopyFrom(
@@ -406,6 +413,19 @@ class NodeService(pb_grpc.NodeServicer):
                 info.mtp_drafts_chosen = runner.tail.depth_drafts
         return info
 
+    def _fill_hop_link(self, hop: pb.HopLink) -> None:
+        """Where the hop's stream runs now, and how it moved (`cluster.transport.failover`)."""
+        downstream = self.stage.downstream
+        state = downstream.link_state if downstream is not None else None
+        if state is None:
+            return
+        current, best = state.current, state.routes[0]
+        hop.address, hop.kind, hop.interface = current.address, current.kind, current.interface
+        hop.rtt_ms = current.rtt_ms or 0.0
+        hop.failovers, hop.failbacks = state.failovers, state.failbacks
+        hop.last_failover = state.last_reason
+        hop.degraded, hop.best_address = state.degraded, best.address
+
     async def _sweep_idle(self) -> None:
         while True:
             await asyncio.sleep(IDLE_SWEEP_SECONDS)
@@ -443,7 +463,10 @@ async def serve(
     step_listener = None
     if tls is None:  # under TLS every step stays on the encrypted gRPC stream
         step_listener = StepListener(
-            token, service.accept_linked_step, service.subscribers.add_link
+            token,
+            service.accept_linked_step,
+            service.subscribers.add_link,
+            service.subscribers.resume_link,
         )
         service.step_port = await step_listener.start(host)
     advertiser = None

@@ -30,9 +30,11 @@ from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
 from cluster.transport import step_records
 from cluster.transport.auth import TLSConfig, open_channel, token_metadata
+from cluster.transport.failover import LinkState, Route, StepStreamLink
 from cluster.transport.hop_choice import split_host_port
 from cluster.transport.hop_probe import HopProbe
-from cluster.transport.step_link import StepLinkError, StepSender
+from cluster.transport.results_link import ResultsOutbox
+from cluster.transport.step_link import StepLinkError
 from cluster.transport.step_records import StepRecords
 from cluster.transport.wire import (
     WireError,
@@ -83,6 +85,7 @@ class Subscribers:
         self._queues: set[asyncio.Queue[pb.ResultBatch]] = set()
         self._links: dict[int, Callable[[bytes], None]] = {}
         self._link_ids = itertools.count()
+        self._outboxes: dict[bytes, ResultsOutbox] = {}  # resumable results streams, by id
 
     def add(self) -> asyncio.Queue[pb.ResultBatch]:
         queue: asyncio.Queue[pb.ResultBatch] = asyncio.Queue()
@@ -97,6 +100,24 @@ class Subscribers:
         key = next(self._link_ids)
         self._links[key] = write
         return lambda: self._links.pop(key, None)
+
+    def resume_link(self, stream_id: bytes, received: int) -> ResultsOutbox | None:
+        """The resumable results subscription `stream_id` (a new one for an id not seen, when
+        `received` is 0), to attach a stream to; None when batches it lacks are gone."""
+        outbox = self._outboxes.get(stream_id)
+        if outbox is None:
+            if received:
+                return None
+            unsubscribe: Callable[[], None] | None = None
+
+            def expired() -> None:
+                self._outboxes.pop(stream_id, None)
+                if unsubscribe is not None:
+                    unsubscribe()
+
+            outbox = self._outboxes[stream_id] = ResultsOutbox(expired)
+            unsubscribe = self.add_link(outbox.publish)
+        return outbox if outbox.can_resume(received) else None
 
     def publish(self, batch: pb.ResultBatch) -> None:
         for queue in self._queues:
@@ -198,14 +219,28 @@ class Downstream:
     the successor's stream takes them (`takes_records`, read when the stage encodes a step).
     """
 
-    def __init__(self, address: str, token: str, tls: TLSConfig | None = None):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        tls: TLSConfig | None = None,
+        routes: tuple[Route, ...] = (),
+        node_id: str = "",
+        on_moved: Callable[[LinkState], None] | None = None,
+    ):
         self.address = address
         self._token = token
         self._tls = tls
+        # Every address of the successor, best first: the TCP stream fails over among them
+        # (`cluster.transport.failover`); none given: `address` alone.
+        self._routes = routes
+        self._node_id = node_id
+        self._on_moved = on_moved
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._link: StepSender | None = None
+        self._link: StepStreamLink | None = None
         self.takes_records = False
+        self.link_state: LinkState | None = None  # the TCP stream's, once opened
 
     async def send(self, payload: bytes, records: bool = False) -> None:
         if self._link is not None and self._link.broken:
@@ -239,8 +274,9 @@ class Downstream:
             return "tcp"
         return "grpc" if self._call is not None else None
 
-    async def _open_link(self) -> StepSender | None:
-        """The successor's TCP step stream, if it serves one (its Info says)."""
+    async def _open_link(self) -> StepStreamLink | None:
+        """The successor's TCP step stream, if it serves one (its Info says), over the best of
+        its addresses that answers, moving among them when one fails."""
         info = self._channel.unary_unary(
             INFO_METHOD,
             request_serializer=pb.InfoRequest.SerializeToString,
@@ -251,13 +287,18 @@ class Downstream:
         )
         if not reply.step_port:
             return None
-        host, _ = split_host_port(self.address)
+        host, port = split_host_port(self.address)
+        routes = self._routes or (Route(host, port),)
+        name = f"next node {self._node_id or reply.node_id or self.address}"
         try:
-            link = await StepSender.open(host, reply.step_port, self._token)
+            link = await StepStreamLink.open(
+                name, routes, reply.node_id, self._token, self._tls, reply.step_port, self._on_moved
+            )
         except StepLinkError as error:  # a firewall, say: the gRPC stream still works
             log.warning("%s; streaming steps to %s over gRPC", error, self.address)
             return None
         self.takes_records = reply.step_records
+        self.link_state = link.state
         return link
 
     async def close(self) -> None:
@@ -285,6 +326,8 @@ class Successor:
     address: str
     token: str
     tls: TLSConfig | None = None
+    routes: tuple[Route, ...] = ()  # every address measured, best first (failover's order)
+    node_id: str = ""
 
 
 class Stage:
@@ -310,8 +353,16 @@ class Stage:
         self.downstream: Downstream | None = None
         self.hop_probe: HopProbe | None = None
         if successor is not None:
-            self.downstream = Downstream(successor.address, successor.token, successor.tls)
+            self.downstream = Downstream(
+                successor.address,
+                successor.token,
+                successor.tls,
+                successor.routes,
+                successor.node_id,
+                self._hop_moved,
+            )
             self.hop_probe = HopProbe(successor.address, successor.token, successor.tls)
+        self._successor = successor
         self.max_batch_positions = MAX_BATCH_POSITIONS
         # Pipeline parallelism: with one batch of every request, a node waits while the others
         # compute it. The head lets a share of the live requests in at a time instead, so the
@@ -343,6 +394,14 @@ class Stage:
             return
         self._inbound.append(_Inbound(message, reply, rids))
         self._wakeup.set()
+
+    def _hop_moved(self, state: LinkState) -> None:
+        """The hop now runs over another of the successor's addresses: ping that one."""
+        old, successor = self.hop_probe, self._successor
+        self.hop_probe = HopProbe(state.current.address, successor.token, successor.tls)
+        if old is not None:
+            task = asyncio.create_task(old.close())
+            task.add_done_callback(lambda done: done.exception())
 
     async def close(self) -> None:
         self._task.cancel()

@@ -449,20 +449,30 @@ class NodeLink(_message.Message):
     def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class HopLink(_message.Message):
-    __slots__ = ("address", "kind", "interface", "rtt_ms", "measured", "tried")
+    __slots__ = ("address", "kind", "interface", "rtt_ms", "measured", "tried", "failovers", "failbacks", "last_failover", "degraded", "best_address")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     INTERFACE_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
     TRIED_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    FAILBACKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILOVER_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    BEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     kind: str
     interface: str
     rtt_ms: float
     measured: bool
     tried: _containers.RepeatedCompositeFieldContainer[LinkTried]
-    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., interface: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., measured: _Optional[bool] = ..., tried: _Optional[_Iterable[_Union[LinkTried, _Mapping]]] = ...) -> None: ...
+    failovers: int
+    failbacks: int
+    last_failover: str
+    degraded: bool
+    best_address: str
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., interface: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., measured: _Optional[bool] = ..., tried: _Optional[_Iterable[_Union[LinkTried, _Mapping]]] = ..., failovers: _Optional[int] = ..., failbacks: _Optional[int] = ..., last_failover: _Optional[str] = ..., degraded: _Optional[bool] = ..., best_address: _Optional[str] = ...) -> None: ...
 
 class LinkTried(_message.Message):
     __slots__ = ("address", "rtt_ms", "answered")

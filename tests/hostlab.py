@@ -119,6 +119,10 @@ class HostLab:
     hosts: list[Host] = field(default_factory=list)
     hub: DelayHub | None = None
     root_slow_address: str = ""
+    # With `root_on_fast`, the root namespace (the coordinator's) joins the fast network too,
+    # at `root_fast_address`: its own links to the hosts then have two paths, as a Mac's do.
+    root_on_fast: bool = False
+    root_fast_address: str = ""
     _links: list[str] = field(default_factory=list)
 
     @property
@@ -162,6 +166,14 @@ class HostLab:
         _ip("link", "add", bridge, "type", "bridge")
         self._links.append(bridge)
         _ip("link", "set", bridge, "up")
+        if self.root_on_fast:
+            self.root_fast_address = f"{fast}.254"
+            _ip("link", "add", f"ql{t}fr", "type", "veth", "peer", "name", f"ql{t}fb")
+            self._links.append(f"ql{t}fr")
+            _ip("link", "set", f"ql{t}fb", "master", bridge)
+            _ip("link", "set", f"ql{t}fb", "up")
+            _ip("addr", "add", f"{self.root_fast_address}/24", "dev", f"ql{t}fr")
+            _ip("link", "set", f"ql{t}fr", "up")
         config_lines = []
         for i in range(self.count):
             ns = f"ql{t}n{i}"
@@ -233,6 +245,17 @@ class HostLab:
         )
         script.chmod(0o755)
         return script
+
+    def set_link(self, host: Host, device: str, up: bool) -> None:
+        """Take one of a host's interfaces ("fast0", "slow0") down or up again."""
+        _ip("link", "set", device, "up" if up else "down", ns=host.namespace)
+
+    def cut_from_root(self, host: Host, cut: bool) -> None:
+        """Drop (or again pass) every packet from `host` to the root namespace on either
+        network, while the hosts still reach each other: a partition of the coordinator."""
+        for address in filter(None, (self.root_slow_address, self.root_fast_address)):
+            action = "add" if cut else "del"
+            _ip("route", action, "blackhole", f"{address}/32", ns=host.namespace)
 
     def close(self) -> None:
         for host in self.hosts:

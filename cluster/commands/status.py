@@ -72,6 +72,12 @@ def status_command(url: str, api_key: str | None, as_json: bool) -> None:
 
 
 def _describe_hop(hop: dict) -> str:
-    """The link to the successor: address, kind, and the round trip when it was measured."""
+    """The link to the successor: address, kind, the round trip when it was measured; and a
+    hop that failed over: flagged while off its best address, with its moves and why."""
     how = f"{hop['rtt_ms']:.2f} ms" if hop["measured"] else "given"
-    return f"{hop['address']} ({hop['kind'] or 'unknown link'}, {how})"
+    line = f"{hop['address']} ({hop['kind'] or 'unknown link'}, {how})"
+    if hop.get("degraded"):
+        line += f"  DEGRADED (best: {hop.get('best_address') or '?'})"
+    if failovers := hop.get("failovers"):
+        line += f"  failovers {failovers}, last: {hop.get('last_failover') or '?'}"
+    return line

@@ -107,5 +107,8 @@ def holds_shard(info: pb.NodeInfo, request: pb.LoadShardRequest) -> bool:
         and (shard.next_node, shard.next_node_id) == (request.next_node, request.next_node_id)
         and shard.next_node_pinned == (not request.next_node_links)
         and not request.HasField("cache_budget_bytes")
-        and not request.HasField("prefix_budget_bytes")
+        and (
+            not request.HasField("prefix_budget_bytes")
+            or info.prefix_budget_bytes == request.prefix_budget_bytes
+        )
     )
