@@ -4,9 +4,14 @@ Memory decides first, speed second (ARCHITECTURE.md, "Placement"):
 
 1. A stage must fit: its layers' weights, the caches of those layers for `concurrency`
    requests of `context_tokens` each (a KV cache per full-attention layer, a fixed conv +
-   recurrent state per GatedDeltaNet layer), and its extras (embed_tokens on the head; final
-   norm, lm_head, MTP head, MTP KV cache and embed_tokens on the tail) within the node's free
-   memory less SAFETY_MARGIN, which is left for activations, MLX scratch buffers and the OS.
+   recurrent state per GatedDeltaNet layer), with `prefix_cache` the conversation cache's
+   snapshots (one per request at full context, so that every running conversation's next
+   turn can start from its own: as many bytes again as the caches), and its extras
+   (embed_tokens on the head; final norm, lm_head, MTP head, MTP KV cache and embed_tokens
+   on the tail) within the node's free memory less SAFETY_MARGIN, which is left for
+   activations, MLX scratch buffers and the OS. A request the coordinator admits never
+   holds more than this (its prompt plus max_tokens is at most `context_tokens`, and at most
+   `concurrency` run at once), so a node cannot run out of memory for caches.
 2. Among the layouts that fit, the slowest stage sets the decode pace. A stage's time per
    step is the bytes it streams (its layers' weights, plus lm_head and the MTP layer on the
    tail) over its memory bandwidth; the split minimises the largest stage time.
@@ -33,6 +38,9 @@ from cluster.model.footprint import ModelFootprint
 from cluster.model.shard import ShardSpec
 
 SAFETY_MARGIN = 0.10  # of each node's free memory, never planned for
+# A context found by `plan_longest_context` is a multiple of this: the positions a KV cache
+# grows by (cluster.decode.runner.KV_ALLOCATION_STEP), so its last block is never cut short.
+CONTEXT_STEP = 256
 DEFAULT_BANDWIDTH_GBPS = 100.0
 _MAX_ORDERINGS = 20_000  # above this, the subset search falls back to candidate subsets
 _BISECTION_STEPS = 100
@@ -109,7 +117,9 @@ class PlacementStage(Stage):
     time that stage costs."""
 
     weight_bytes: int  # layers + head/tail extras
-    cache_bytes: int  # KV + GatedDeltaNet state (+ the MTP KV cache on the tail)
+    kv_bytes: int  # attention KV of every admitted request at full context (+ MTP's, tail)
+    gdn_bytes: int  # GatedDeltaNet conv + recurrent state of every admitted request
+    snapshot_bytes: int  # the conversation cache's budget on the node (0: no cache)
     stage_time_estimate: float  # seconds per decode step: bytes streamed / bandwidth
     memory_free_bytes: int
 
@@ -118,8 +128,13 @@ class PlacementStage(Stage):
             raise PlacementError(f"node {self.node_id}: a planned stage needs layers")
 
     @property
+    def cache_bytes(self) -> int:
+        """The running requests' caches: KV + GatedDeltaNet state."""
+        return self.kv_bytes + self.gdn_bytes
+
+    @property
     def required_bytes(self) -> int:
-        return self.weight_bytes + self.cache_bytes
+        return self.weight_bytes + self.cache_bytes + self.snapshot_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +145,7 @@ class PlacementPlan:
     reasons: list[str] = field(default_factory=list)
     context_tokens: int = 0
     concurrency: int = 1
+    prefix_cache: bool = False
 
     @property
     def bottleneck_time(self) -> float:
@@ -149,10 +165,11 @@ class PlacementPlan:
             "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        snapshots = "one snapshot per request" if self.prefix_cache else "no conversation cache"
         lines.append(
             f"bottleneck {self.bottleneck_time * 1e3:.3f} ms/step, "
             f"one request {self.latency_time * 1e3:.3f} ms/step "
-            f"(context {self.context_tokens} tokens x {self.concurrency} requests)"
+            f"(context {self.context_tokens} tokens x {self.concurrency} requests, {snapshots})"
         )
         return "\n".join(lines)
 
@@ -164,7 +181,10 @@ _TABLE_HEADER = (
     "layers",
     "role",
     "weights",
-    "cache",
+    "KV",
+    "GDN state",
+    "snapshots",
+    "total",
     "free",
     "used",
     "ms/step",
@@ -182,7 +202,10 @@ def _table_row(index: int, s: PlacementStage) -> tuple[str, ...]:
         f"[{shard.start}, {shard.end})",
         role,
         format_bytes(s.weight_bytes),
-        format_bytes(s.cache_bytes),
+        format_bytes(s.kv_bytes),
+        format_bytes(s.gdn_bytes),
+        format_bytes(s.snapshot_bytes),
+        format_bytes(s.required_bytes),
         format_bytes(s.memory_free_bytes),
         f"{used:.0%}",
         f"{s.stage_time_estimate * 1e3:.3f}",
@@ -206,18 +229,93 @@ def plan_placement(
     concurrency: int,
     layers: Sequence[tuple[int, int]] | None = None,
     use_all: bool = False,
+    prefix_cache: bool = False,
 ) -> PlacementPlan:
     """Assign contiguous layer ranges to nodes: memory first, then the slowest stage.
 
-    `layers` fixes the split (one half-open range per node, in the order of `nodes`);
-    otherwise the nodes' order and split are chosen, with the fewest nodes that fit unless
-    `use_all`. Raises PlacementError when nothing fits, with the bytes needed and offered.
+    Each node reserves the caches of `concurrency` requests of `context_tokens` each and,
+    with `prefix_cache`, the conversation cache's snapshots (`PlacementStage.snapshot_bytes`,
+    the budget the node is given). `layers` fixes the split (one half-open range per node,
+    in the order of `nodes`); otherwise the nodes' order and split are chosen, with the
+    fewest nodes that fit unless `use_all`. Raises PlacementError when nothing fits, with the
+    bytes needed and offered.
     """
     _check_inputs(nodes, context_tokens, concurrency)
-    costs = _Costs(model, context_tokens, concurrency)
+    costs = _Costs(model, context_tokens, concurrency, prefix_cache)
     if layers is not None:
         return _fixed_plan(nodes, costs, layers)
     return _searched_plan(nodes, costs, use_all)
+
+
+def plan_longest_context(
+    nodes: Sequence[NodeCapacity],
+    model: ModelFootprint,
+    *,
+    max_context: int,
+    concurrency: int,
+    layers: Sequence[tuple[int, int]] | None = None,
+    use_all: bool = False,
+    prefix_cache: bool = False,
+) -> PlacementPlan:
+    """`plan_placement` at `max_context` tokens of context where that fits, else at the
+    longest context that does (a multiple of CONTEXT_STEP): what a cluster serves when the
+    user named no limit. Raises the PlacementError of `max_context` when not even
+    CONTEXT_STEP tokens fit."""
+    kwargs = {"concurrency": concurrency, "layers": layers, "use_all": use_all}
+    try:
+        return plan_placement(
+            nodes, model, context_tokens=max_context, prefix_cache=prefix_cache, **kwargs
+        )
+    except PlacementError as error:
+        longest = longest_context(
+            nodes, model, max_context=max_context, prefix_cache=prefix_cache, **kwargs
+        )
+        if longest == 0:
+            raise error from None
+    return plan_placement(nodes, model, context_tokens=longest, prefix_cache=prefix_cache, **kwargs)
+
+
+def longest_context(
+    nodes: Sequence[NodeCapacity],
+    model: ModelFootprint,
+    *,
+    max_context: int,
+    concurrency: int,
+    layers: Sequence[tuple[int, int]] | None = None,
+    use_all: bool = False,
+    prefix_cache: bool = False,
+) -> int:
+    """The longest context, at most `max_context` and otherwise a multiple of CONTEXT_STEP,
+    that `plan_placement` fits on `nodes`; 0 when not even CONTEXT_STEP tokens fit. Memory
+    only grows with the context, so a bisection finds it."""
+
+    def fits(tokens: int) -> bool:
+        try:
+            plan_placement(
+                nodes,
+                model,
+                context_tokens=tokens,
+                concurrency=concurrency,
+                layers=layers,
+                use_all=use_all,
+                prefix_cache=prefix_cache,
+            )
+        except PlacementError:
+            return False
+        return True
+
+    if fits(max_context):
+        return max_context
+    lo, hi = 0, max_context // CONTEXT_STEP  # steps: lo fits (0 trivially), above hi not
+    if hi * CONTEXT_STEP == max_context:
+        hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * CONTEXT_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CONTEXT_STEP
 
 
 def _check_inputs(nodes: Sequence[NodeCapacity], context_tokens: int, concurrency: int) -> None:
@@ -235,26 +333,40 @@ def _check_inputs(nodes: Sequence[NodeCapacity], context_tokens: int, concurrenc
 class _Costs:
     """Prefix sums over layers of the memory a stage holds and the bytes it streams."""
 
-    def __init__(self, model: ModelFootprint, context_tokens: int, concurrency: int) -> None:
+    def __init__(
+        self, model: ModelFootprint, context_tokens: int, concurrency: int, prefix_cache: bool
+    ) -> None:
         self.model = model
         self.context_tokens = context_tokens
         self.concurrency = concurrency
+        self.prefix_cache = prefix_cache
         self.num_layers = model.num_layers
         self.weights = [0, *itertools.accumulate(model.layer_weight_bytes)]
         cache = [
             model.layer_cache_bytes(i, context_tokens=context_tokens, concurrency=concurrency)
             for i in range(model.num_layers)
         ]
+        is_attention = model.layer_is_attention
+        kv = [c if a else 0 for c, a in zip(cache, is_attention, strict=True)]
+        self.kv = [0, *itertools.accumulate(kv)]
+        self.gdn = [0, *itertools.accumulate(c - k for c, k in zip(cache, kv, strict=True))]
         self.cache = [0, *itertools.accumulate(cache)]
-        self.memory = [w + c for w, c in zip(self.weights, self.cache, strict=True)]
+        # A snapshot per request at full context holds what the request's caches hold.
+        self.copies = 2 if prefix_cache else 1
+        self.memory = [w + self.copies * c for w, c in zip(self.weights, self.cache, strict=True)]
         self.mtp_cache = model.mtp_cache_bytes(
             context_tokens=context_tokens, concurrency=concurrency
         )
 
     def fixed_memory(self, is_head: bool, is_tail: bool) -> int:
-        """What a stage holds besides its layers."""
+        """What a stage holds besides its layers (a tail's snapshots carry the MTP cache)."""
         extra = self.model.extra_bytes(is_head=is_head, is_tail=is_tail)
-        return extra + (self.mtp_cache if is_tail else 0)
+        return extra + (self.copies * self.mtp_cache if is_tail else 0)
+
+    @property
+    def all_caches(self) -> int:
+        """Every stage's caches and snapshots together."""
+        return self.copies * (self.cache[-1] + self.mtp_cache)
 
     def fixed_read(self, is_tail: bool) -> int:
         return self.model.tail_read_bytes if is_tail else 0
@@ -265,12 +377,16 @@ class _Costs:
         """The stage `node` would be with layers [start, end)."""
         extra = self.model.extra_bytes(is_head=head, is_tail=tail)
         read = self.weights[end] - self.weights[start] + self.fixed_read(tail)
+        kv = self.kv[end] - self.kv[start] + (self.mtp_cache if tail else 0)
+        gdn = self.gdn[end] - self.gdn[start]
         return PlacementStage(
             node_id=node.node_id,
             address=node.address,
             shard=ShardSpec(start, end, is_head=head, is_tail=tail),
             weight_bytes=self.weights[end] - self.weights[start] + extra,
-            cache_bytes=self.cache[end] - self.cache[start] + (self.mtp_cache if tail else 0),
+            kv_bytes=kv,
+            gdn_bytes=gdn,
+            snapshot_bytes=(self.copies - 1) * (kv + gdn),
             stage_time_estimate=read / node.bytes_per_second,
             memory_free_bytes=node.memory_free_bytes,
         )
@@ -399,12 +515,13 @@ def _fixed_plan(
     ]
     for stage, node in zip(stages, nodes, strict=True):
         if stage.required_bytes > node.usable_bytes:
+            over = stage.required_bytes - node.usable_bytes
             raise PlacementError(
                 f"node {node.node_id}: layers [{stage.shard.start}, {stage.shard.end}) need "
-                f"{format_bytes(stage.required_bytes)} ({stage.required_bytes} bytes: weights "
-                f"{stage.weight_bytes} + cache {stage.cache_bytes}) but it offers "
-                f"{format_bytes(node.usable_bytes)} ({node.usable_bytes} bytes, "
-                f"free memory less {SAFETY_MARGIN:.0%})"
+                f"{format_bytes(stage.required_bytes)} ({stage.required_bytes} bytes: "
+                f"{_stage_parts(stage)}) but it offers {format_bytes(node.usable_bytes)} "
+                f"({node.usable_bytes} bytes, free memory less {SAFETY_MARGIN:.0%}): "
+                f"{format_bytes(over)} ({over} bytes) over, for {_load_text(costs)}"
             )
     reasons = [
         "split given by --layers / layers=; nodes in the order given, head first",
@@ -432,12 +549,26 @@ def _check_layers(layers: Sequence[tuple[int, int]], n_nodes: int, n_layers: int
         )
 
 
+def _stage_parts(stage: PlacementStage) -> str:
+    return (
+        f"weights {stage.weight_bytes} + KV {stage.kv_bytes} + GatedDeltaNet state "
+        f"{stage.gdn_bytes} + snapshots {stage.snapshot_bytes}"
+    )
+
+
+def _load_text(costs: _Costs) -> str:
+    """What the caches are planned for, as the refusals say it."""
+    snapshots = ", with a conversation snapshot each" if costs.prefix_cache else ""
+    return f"{costs.concurrency} requests of {costs.context_tokens} tokens{snapshots}"
+
+
 def _plan(costs: _Costs, stages: Sequence[PlacementStage], reasons: list[str]) -> PlacementPlan:
     return PlacementPlan(
         stages=tuple(stages),
         reasons=reasons,
         context_tokens=costs.context_tokens,
         concurrency=costs.concurrency,
+        prefix_cache=costs.prefix_cache,
     )
 
 
@@ -455,6 +586,13 @@ def _budget_reasons(costs: _Costs, n_nodes: int) -> list[str]:
         f"{costs.context_tokens} tokens (KV {m.kv_bytes_per_token} B/token on {n_attn} "
         f"attention layers + {m.mtp_layers} MTP; GatedDeltaNet state {m.gdn_state_bytes} "
         f"B/request on {m.num_layers - n_attn} layers)",
+        (
+            f"conversation cache: {format_bytes(costs.all_caches // 2)} of snapshots, one per "
+            "request at full context, so that each running conversation's next turn can "
+            "start from its own"
+            if costs.prefix_cache
+            else "no conversation cache: no snapshot memory reserved"
+        ),
     ]
 
 
@@ -497,7 +635,7 @@ def _reasons(
         reasons.append(
             f"head {stages[0].node_id} carries embed_tokens; tail {stages[-1].node_id} carries "
             f"the final norm, lm_head, MTP head and its KV cache "
-            f"({format_bytes(costs.model.tail_extra_bytes + costs.mtp_cache)})"
+            f"({format_bytes(costs.fixed_memory(is_head=False, is_tail=True))})"
         )
         reasons.append(
             "split balanced by memory bandwidth: each stage takes as many layers as its "
@@ -511,18 +649,24 @@ def _refusal(nodes: Sequence[NodeCapacity], costs: _Costs, use_all: bool) -> str
     needed = costs.total_required(len(nodes))
     offered = sum(n.usable_bytes for n in nodes)
     caches = costs.cache[-1] + costs.mtp_cache
+    snapshots = costs.all_caches - caches
     what = (
-        f"needs {format_bytes(needed)} ({needed} bytes: weights and extras {needed - caches}, "
-        f"caches {caches} for {costs.concurrency} x {costs.context_tokens} tokens)"
+        f"needs {format_bytes(needed)} ({needed} bytes: weights and extras "
+        f"{needed - caches - snapshots}, caches {caches}, snapshots {snapshots}, for "
+        f"{_load_text(costs)})"
     )
-    who = "the node offers" if len(nodes) == 1 else f"the {len(nodes)} nodes offer"
+    who = f"node {nodes[0].node_id} offers" if len(nodes) == 1 else f"the {len(nodes)} nodes offer"
     have = f"{who} {format_bytes(offered)} ({offered} bytes, free memory less {SAFETY_MARGIN:.0%})"
     if needed > offered:
-        return f"the model does not fit: it {what} but {have}"
+        over = needed - offered
+        return (
+            f"the model does not fit: it {what} but {have}: "
+            f"{format_bytes(over)} ({over} bytes) over"
+        )
     largest_layer = max(costs.memory[i + 1] - costs.memory[i] for i in range(costs.num_layers))
     largest_node = max(n.usable_bytes for n in nodes)
     detail = (
-        f"largest layer with its cache {format_bytes(largest_layer)}, tail extras "
+        f"largest layer with its caches {format_bytes(largest_layer)}, tail extras "
         f"{format_bytes(costs.fixed_memory(False, True))}, largest node "
         f"{format_bytes(largest_node)}"
     )

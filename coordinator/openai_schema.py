@@ -213,7 +213,9 @@ def _max_tokens(body: dict[str, Any], max_context: int) -> int | None:
             raise invalid(f"'{name}' must be a positive integer", name)
         if value > max_context:
             raise invalid(
-                f"'{name}' is {value}, but the model's context is {max_context} tokens",
+                f"'{name}' is {value}, beyond --max-context {max_context}: this cluster "
+                f"serves requests of at most {max_context} tokens, prompt and completion "
+                "together",
                 name,
                 code="context_length_exceeded",
             )

@@ -30,6 +30,25 @@ class OpenEndpointError(ValueError):
     """A coordinator asked to listen beyond loopback with no API key and no `--no-api-key`."""
 
 
+class MaxContextError(ValueError):
+    """A `--max-context` (or cluster-file `max_context`) the model cannot serve."""
+
+
+def check_max_context(max_context: int, model_dir: Path) -> None:
+    """Refuse a limit below 1 or beyond the model's own context (`max_position_embeddings`),
+    naming both, before anything starts."""
+    from cluster.model.footprint import model_max_context
+
+    if max_context < 1:
+        raise MaxContextError(f"--max-context must be at least 1 token, got {max_context}")
+    limit = model_max_context(model_dir)
+    if max_context > limit:
+        raise MaxContextError(
+            f"--max-context {max_context} is beyond the model's own context of {limit} tokens "
+            f"(max_position_embeddings of {model_dir.name}); give at most {limit}"
+        )
+
+
 def check_endpoint(host: str, has_keys: bool, allow_open: bool) -> None:
     """Refuse to serve beyond loopback without an API key: anyone who reaches the port could
     use the cluster. `allow_open` (`--no-api-key`) is the explicit choice to do so anyway."""
@@ -48,12 +67,15 @@ class CoordinatorSettings:
     Nodes: `nodes` (HOST:PORT, always tried) and, with `browse`, those mDNS finds; `token`
     and `tls` reach them. Placement: `layers` fixes each stage's half-open layer range (None:
     planned from the nodes' free memory), `use_all` spreads the model over every node rather
-    than the fewest that fit, and the plan budgets `context_tokens` of context for each of
-    `max_running` requests. `node_model_dir`: the model's path on the nodes (None: they fetch
-    its weights from this coordinator's Weights service, when `serve_weights`, on
-    `weights_port`, 0 for any free port). `pinned_addresses`: nodes whose upstream streams to
-    exactly the given address. `adopt_shards`: keep the shards nodes already hold when they
-    form the planned pipeline (no reload after a restart).
+    than the fewest that fit, and each node reserves the caches of `max_running` requests of
+    `max_context` tokens each (prompt plus max_tokens: the longest request served; None: the
+    model's own context where that fits, else the longest that fits at the first placement)
+    and, with `prefix_cache`, a conversation snapshot for each. `node_model_dir`: the
+    model's path on the nodes (None: they fetch its weights from this coordinator's Weights
+    service, when `serve_weights`, on `weights_port`, 0 for any free port).
+    `pinned_addresses`: nodes whose upstream streams to exactly the given address.
+    `adopt_shards`: keep the shards nodes already hold when they form the planned pipeline
+    (no reload after a restart).
 
     HTTP: served on `host`:`port`, behind `api_keys` (None: open), at most `max_running`
     requests at once and `max_queued` waiting; `mtp_depth` for requests that name none;
@@ -70,7 +92,7 @@ class CoordinatorSettings:
     tls: TLSConfig | None = None
     layers: list[tuple[int, int]] | None = None
     use_all: bool = False
-    context_tokens: int = 32768
+    max_context: int | None = None
     node_model_dir: str | None = None
     serve_weights: bool = True
     weights_port: int = 0
@@ -87,6 +109,10 @@ class CoordinatorSettings:
     warmup: bool = True
     replay_wait_s: float = REPLAY_WAIT_S
     allow_open: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_context is not None and self.max_context < 1:
+            raise MaxContextError(f"--max-context must be at least 1 token, got {self.max_context}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +134,7 @@ class ServingOptions:
     max_running: int | None = None
     max_queued: int | None = None
     weights_port: int | None = None
+    max_context: int | None = None
 
     def over(self, base: ServingOptions) -> ServingOptions:
         """These options where given, `base`'s elsewhere (flags over a cluster file). The API
@@ -124,8 +151,9 @@ class ServingOptions:
     def settings(self, model_dir: Path, token: str, **rest: object) -> CoordinatorSettings:
         """The coordinator's settings: these options (defaults where None) and `rest` (nodes,
         placement). Reads the key file; raises ApiKeyError for keys that cannot be used,
-        OpenEndpointError for an open endpoint beyond loopback and ValueError or OSError for
-        TLS files that cannot be used, before anything starts."""
+        OpenEndpointError for an open endpoint beyond loopback, MaxContextError for a
+        `max_context` the model cannot serve and ValueError or OSError for TLS files that
+        cannot be used, before anything starts."""
         from cluster.transport.auth import TLSConfig
         from coordinator.api_keys import ApiKeys, read_api_keys
 
@@ -141,6 +169,8 @@ class ServingOptions:
             raise ApiKeyError("--no-api-key and an API key were both given: choose one")
         host = default.host if self.host is None else self.host
         check_endpoint(host, keys.enabled, bool(self.no_api_key))
+        if self.max_context is not None:
+            check_max_context(self.max_context, model_dir)
         tls = TLSConfig.from_files(
             str(self.tls_cert) if self.tls_cert else None,
             str(self.tls_key) if self.tls_key else None,
@@ -153,6 +183,7 @@ class ServingOptions:
             "max_running": self.max_running,
             "max_queued": self.max_queued,
             "weights_port": self.weights_port,
+            "max_context": self.max_context,
         }
         return replace(
             default,

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from cluster.config import bundled_model_path
-from cluster.model.footprint import FootprintError, ModelFootprint, read_safetensors_header_sizes
+from cluster.model.footprint import (
+    FootprintError,
+    ModelFootprint,
+    model_max_context,
+    read_safetensors_header_sizes,
+)
 
 TEXT_CONFIG = {
     "num_hidden_layers": 4,
@@ -231,3 +236,24 @@ def test_missing_config_field_is_named(tmp_path: Path) -> None:
     path = write_model(tmp_path / "m", {"m.safetensors": hf_tensors()}, config=config)
     with pytest.raises(FootprintError, match="num_key_value_heads"):
         ModelFootprint.from_dir(path)
+
+
+def test_max_context_from_the_config(tmp_path: Path) -> None:
+    text = {**TEXT_CONFIG, "max_position_embeddings": 4096}
+    config = {"model_type": "qwen3_5", "text_config": text}
+    assert (
+        model_max_context(
+            write_model(tmp_path / "a", {"m.safetensors": hf_tensors()}, config=config)
+        )
+        == 4096
+    )
+    # Without the field: what mlx-lm's TextModelArgs assumes, as the engine does.
+    bare = {k: v for k, v in TEXT_CONFIG.items() if k != "max_position_embeddings"}
+    config = {"model_type": "qwen3_5", "text_config": bare}
+    path = write_model(tmp_path / "b", {"m.safetensors": hf_tensors()}, config=config)
+    assert model_max_context(path) == 131072
+    text = {**TEXT_CONFIG, "max_position_embeddings": "long"}
+    config = {"model_type": "qwen3_5", "text_config": text}
+    path = write_model(tmp_path / "c", {"m.safetensors": hf_tensors()}, config=config)
+    with pytest.raises(FootprintError, match="max_position_embeddings"):
+        model_max_context(path)

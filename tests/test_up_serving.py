@@ -48,23 +48,29 @@ def test_cluster_file_keys_reach_the_coordinator(tmp_path: Path) -> None:
     path = _cluster_file(
         tmp_path,
         'host = "0.0.0.0"\napi_key_file = "keys"\nmtp_depth = 3\nprefix_cache = false\n'
-        "max_running = 4\nopen_monitoring = true\n",
+        "max_running = 4\nopen_monitoring = true\nmax_context = 4096\n",
     )
     cluster = load_cluster_file(path)
     settings = build_settings(hosts_serving(cluster, ServingOptions()), cluster.model, "secret")
     assert settings.host == "0.0.0.0" and settings.port == 8123
     assert settings.mtp_depth == 3 and settings.max_running == 4
+    assert settings.max_context == 4096
     assert settings.prefix_cache is False
     assert settings.api_keys is not None and settings.api_keys.keys == (b"file-key",)
     assert settings.api_keys.open_monitoring and not settings.allow_open
 
 
 def test_flags_win_over_the_cluster_file(tmp_path: Path) -> None:
-    path = _cluster_file(tmp_path, 'host = "0.0.0.0"\napi_key_file = "keys"\nmtp_depth = 3\n')
+    path = _cluster_file(
+        tmp_path, 'host = "0.0.0.0"\napi_key_file = "keys"\nmtp_depth = 3\nmax_context = 4096\n'
+    )
     cluster = load_cluster_file(path)
-    flags = ServingOptions(mtp_depth="auto", api_key="flag-key", port=9000, max_queued=5)
+    flags = ServingOptions(
+        mtp_depth="auto", api_key="flag-key", port=9000, max_queued=5, max_context=2048
+    )
     settings = build_settings(hosts_serving(cluster, flags), cluster.model, "secret")
     assert settings.mtp_depth == "auto" and settings.port == 9000 and settings.max_queued == 5
+    assert settings.max_context == 2048
     # The key is one choice: the flag's replaces the file's, it does not add to it.
     assert settings.api_keys is not None and settings.api_keys.keys == (b"flag-key",)
     assert settings.host == "0.0.0.0"  # not given as a flag: the file's
@@ -82,6 +88,7 @@ def test_a_bad_serving_key_in_the_cluster_file_names_it(tmp_path: Path) -> None:
         ("mtp_depth = 9", "mtp_depth"),
         ('prefix_cache = "no"', "prefix_cache"),
         ("max_runing = 3", "did you mean 'max_running'"),
+        ("max_context = 0", "max_context"),
     ]:
         with pytest.raises(ClusterFileError, match=named):
             load_cluster_file(_cluster_file(tmp_path, extra))

@@ -35,13 +35,16 @@ def build_settings(
     serving: ServingOptions, model_dir: Path, token: str, **rest: object
 ) -> CoordinatorSettings:
     """`serving.settings(...)` with its refusals as click errors: keys that cannot be read or
-    used, and an endpoint beyond loopback without a key (before anything is started)."""
-    from coordinator.settings import ApiKeyError, OpenEndpointError
+    used, an endpoint beyond loopback without a key, and a longest request the model cannot
+    serve (before anything is started)."""
+    from coordinator.settings import ApiKeyError, MaxContextError, OpenEndpointError
 
     try:
         return serving.settings(model_dir, token, **rest)
     except OpenEndpointError as error:
         raise click.UsageError(str(error)) from error
+    except MaxContextError as error:
+        raise click.BadParameter(str(error), param_hint="--max-context / max_context") from error
     except ApiKeyError as error:
         raise click.BadParameter(str(error), param_hint="--api-key / --api-key-file") from error
     except (OSError, ValueError) as error:

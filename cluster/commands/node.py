@@ -42,7 +42,8 @@ from node.server import NodeSettings, serve
     "--prefix-cache-gb",
     type=float,
     default=None,
-    help="Memory for conversation (prefix) snapshots on this node [default: 1].",
+    help="Memory for conversation (prefix) snapshots on this node, unless its coordinator "
+    "plans it (`cluster coordinator` does, from --max-context) [default: 1].",
 )
 @click.option(
     "--idle-timeout",

@@ -170,6 +170,11 @@ _SERVING_OPTIONS: list[tuple[str, Callable[[F], F]]] = [
     ("max_queued", click.option(
         "--max-queued", type=click.IntRange(min=0), default=None,
         help="Requests waiting for a slot [default: 64].")),
+    ("max_context", click.option(
+        "--max-context", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+        help="The longest request served, prompt + max_tokens; each node reserves its caches "
+        "for --max-running such requests, and longer ones get a 400 [default: the model's "
+        "context, or the longest that fits].")),
     ("weights_port", click.option(
         "--weights-port", type=click.IntRange(min=0, max=65535), default=None,
         help="Port of the weights service that nodes fetch from [default: any free port].")),
@@ -179,7 +184,7 @@ _SERVING_OPTIONS: list[tuple[str, Callable[[F], F]]] = [
 def serving_options(command: F) -> F:
     """The whole block of a coordinator's serving options (`--host`, `--port`, the API keys,
     `--mtp-depth`, `--no-prefix-cache`, `--open-monitoring`, TLS, admission limits, the
-    weights port), handed to `command` as one parameter, `serving`: a
+    longest request, the weights port), handed to `command` as one parameter, `serving`: a
     `coordinator.settings.ServingOptions` holding what was given (None elsewhere), which
     `ServingOptions.settings` turns into the coordinator's settings."""
 

@@ -5,7 +5,7 @@
     host = "0.0.0.0"                                    # beyond loopback: with an API key
     api_key_file = "~/.config/qwencluster/api-keys"     # one key a line
     # also: mtp_depth, prefix_cache, open_monitoring, tls_cert, tls_key, max_running,
-    # max_queued, weights_port (as `cluster coordinator`'s flags, which win over them)
+    # max_queued, max_context, weights_port (as `cluster coordinator`'s flags, which win)
 
     [[node]]
     ssh = "mac-studio-1"     # anything `ssh` accepts: a ~/.ssh/config alias, user@host
@@ -33,7 +33,7 @@ SERVICES = ("auto", "launchd", "systemd", "process")
 _SERVING_KEYS: dict[str, type | tuple[type, ...]] = {
     "api_key_file": str, "mtp_depth": (int, str), "prefix_cache": bool,
     "open_monitoring": bool, "tls_cert": str, "tls_key": str, "max_running": int,
-    "max_queued": int, "weights_port": int,
+    "max_queued": int, "max_context": int, "weights_port": int,
 }  # fmt: skip
 _SERVING_PATHS = {"api_key_file", "tls_cert", "tls_key"}  # relative to the cluster file
 _TOP_KEYS = {"model", "port", "host", "secret_file", "ssh_config", "node", *_SERVING_KEYS}
@@ -167,6 +167,9 @@ def _serving(path: Path, data: dict[str, Any]) -> dict[str, Any]:
             (1 if key == "max_running" else 0) <= value <= 65535
         ):
             raise _fail(path, f"{key} out of range, got {value}")
+        elif key == "max_context" and value < 1:
+            # Its upper bound is the model's own context, checked with the model's config.
+            raise _fail(path, f"max_context must be at least 1 token, got {value}")
         serving[key] = value
     return serving
 

@@ -27,6 +27,8 @@ SINGLE_FILE = "model.safetensors"
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _RECURRENT_STATE_BYTES = 4  # the GatedDeltaNet recurrent state is kept in float32
+# A config without max_position_embeddings serves what mlx-lm's TextModelArgs assumes.
+_DEFAULT_MAX_CONTEXT = 131072
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors caps its header well below this
 
 _PREFIXES = r"(?:model\.language_model|language_model\.model|model)"
@@ -163,6 +165,16 @@ class ModelFootprint:
     def mtp_cache_bytes(self, *, context_tokens: int, concurrency: int) -> int:
         """The MTP head's own KV cache, held by the tail."""
         return self.mtp_layers * self.kv_bytes_per_token * context_tokens * concurrency
+
+
+def model_max_context(model_dir: str | Path) -> int:
+    """The longest context the model was trained for (`max_position_embeddings`, as
+    `cluster.config.ModelConfig.max_context` reads it), from config.json alone."""
+    path = Path(model_dir)
+    field = _ConfigFields(_read_config(path), path / "config.json")
+    if field("max_position_embeddings") is None:
+        return _DEFAULT_MAX_CONTEXT
+    return field.require("max_position_embeddings")
 
 
 class _ConfigFields:
