@@ -23,7 +23,15 @@ from nodes import NodeGroup, node_infos
 
 from cluster.decode.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
-from cluster.decode.prefix_index import PrefixEntry, PrefixIndex
+from cluster.decode.prefix_index import (
+    EVICTED,
+    NEVER_STORED,
+    OVER_BUDGET,
+    REPEAT,
+    RETOKENIZED,
+    PrefixEntry,
+    PrefixIndex,
+)
 from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
 from cluster.messages import RequestError, RequestOptions, StepRequest
 from cluster.transport.node_client import NodeClient
@@ -168,6 +176,7 @@ def test_evicted_prefixes_are_dropped_on_every_node(trio, model_dir, tokenizer, 
             )
             assert second.tokens == reference.tokens and second.cached_tokens == 0
             assert len(index) == 0 and await _snapshot_counts(trio.addresses) == [0, 0, 0]
+            assert index.stats.misses[OVER_BUDGET] == 1  # the second turn: nothing fit
         finally:
             await pipeline.close()
         # A budget for a few snapshots (fewer on the head, whose layers' states are the
@@ -258,10 +267,13 @@ def test_coordinator_reports_cached_tokens(trio, model_dir, arun) -> None:
             )
             metrics = await (await client.get("/metrics")).text()
             assert "cluster_prefix_cache_hits_total 1\n" in metrics
+            assert 'cluster_prefix_cache_misses_total{reason="never_stored"} 1\n' in metrics
+            assert 'cluster_prefix_cache_misses_total{reason="evicted"} 0\n' in metrics
             assert f"cluster_prefix_cache_saved_tokens_total {cached}\n" in metrics
             document = await (await client.get("/api/cluster")).json()
             assert document["stats"]["prefix_cache_hits"] == 1
             assert document["stats"]["prefix_cache_saved_tokens"] == cached
+            assert document["stats"]["prefix_cache_misses"]["never_stored"] == 1
             # Each node's share: what it holds (the coordinator heard it on its last poll).
             infos = await node_infos(trio.addresses)
             assert all(info.prefix_snapshots == len(index) for info in infos)
@@ -323,6 +335,78 @@ def test_index_finds_the_longest_usable_prefix() -> None:
     index.forget([11])
     assert index.longest((1, 2, 3), mtp=False) is None and len(index) == 1
     assert index.add(PrefixEntry.of((1, 2), 11, mtp=False)) == [11]  # a dropped id stays dropped
+
+
+def test_index_says_why_a_lookup_missed() -> None:
+    index = PrefixIndex(capacity=2)
+    assert index.lookup((1, 2, 3), mtp=False).miss == NEVER_STORED
+    index.add(PrefixEntry.of((1, 2, 3), 11, mtp=False))
+    assert index.lookup((1, 2, 3), mtp=False).miss == REPEAT  # nothing left to compute
+    assert index.lookup((1, 2), mtp=False).miss == REPEAT
+    assert index.lookup((1, 2, 3, 4), mtp=True).miss == NEVER_STORED  # no MTP state in it
+    long = tuple(range(100, 140))
+    index.add(PrefixEntry.of(long, 12, mtp=True))
+    # The same text re-tokenized near the entry's end.
+    assert index.lookup((*long[:-2], 7, 8, 9), mtp=False).miss == RETOKENIZED
+    assert index.lookup((*long[:5], 7, 8, 9), mtp=False).miss == NEVER_STORED  # too early
+    index.add(PrefixEntry.of((5, 6), 13, mtp=False))  # the capacity evicts (1, 2, 3)
+    assert index.lookup((1, 2, 3, 4), mtp=False).miss == EVICTED
+    index.forget([13])  # a shard dropped the entry added last: it did not fit there
+    assert index.lookup((5, 6, 7), mtp=False).miss == OVER_BUDGET
+    assert index.add(PrefixEntry.of((5, 6), 13, mtp=False)) == [13]
+    assert index.lookup((*long, 1), mtp=True).entry.snapshot_id == 12
+    assert index.stats.lookups == 9  # 8 misses and a hit (counted by the engine)
+    assert index.stats.misses == {
+        EVICTED: 1, OVER_BUDGET: 1, RETOKENIZED: 1, REPEAT: 2, NEVER_STORED: 3
+    }  # fmt: skip
+
+
+def test_snapshot_memory_is_kv_by_length_plus_a_fixed_state(model_dir, tokenizer, arun) -> None:
+    async def scenario() -> None:
+        local = await open_local_engine(model_dir, prefix_index=PrefixIndex(), prefill_chunk=64)
+        try:
+            prompt = tuple(tokenizer.encode(CODE_PROMPTS[0] * 20))
+            for length in (40, 80):
+                await local.engine.generate(GenerationRequest(prompt[:length], 1, NO_MTP))
+            for runner in local.runners:
+                short, long = (s.cache for s in runner.snapshots._snapshots.values())
+                assert (short.position, long.position) == (40, 80)
+                assert long.state_nbytes == short.state_nbytes > 0
+                assert long.kv_nbytes == 2 * short.kv_nbytes > 0
+                assert short.nbytes == short.kv_nbytes + short.state_nbytes
+        finally:
+            local.close()
+
+    arun(scenario())
+
+
+def test_prefill_is_cut_at_boundaries_that_keep_snapshots(model_dir, tokenizer, arun) -> None:
+    async def scenario() -> None:
+        ranges = [(0, 3), (3, 5), (5, 8)]
+        cached = await open_local_engine(
+            model_dir, ranges=ranges, prefix_index=PrefixIndex(), prefill_chunk=16
+        )
+        plain = await open_local_engine(model_dir, ranges=ranges, prefill_chunk=16)
+        try:
+            index = cached.engine.prefix_index
+            prompt = tuple(tokenizer.encode(CODE_PROMPTS[0] + CODE_PROMPTS[1] * 3))
+            options = RequestOptions(mtp_depth=2)
+            # Boundaries inside chunks, the first of three dropped (at most two are kept).
+            request = GenerationRequest(prompt, ANSWER_TOKENS, options, boundaries=(5, 21, 30))
+            await cached.engine.generate(request)
+            assert index.holds(prompt[:5], mtp=True) and index.holds(prompt[:30], mtp=True)
+            assert not index.holds(prompt[:21], mtp=True) and not index.holds(prompt, mtp=True)
+            for follow in ((*prompt[:5], 77, 78), (*prompt[:30], 9), prompt):
+                request = GenerationRequest(follow, ANSWER_TOKENS, options)
+                again = await cached.engine.generate(request)
+                reference = await plain.engine.generate(request)
+                assert again.tokens == reference.tokens
+                assert again.cached_tokens == (5 if len(follow) < 30 else 30)
+        finally:
+            cached.close()
+            plain.close()
+
+    arun(scenario())
 
 
 def test_steps_name_snapshots_only_where_they_can_be() -> None:

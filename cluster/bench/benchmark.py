@@ -23,6 +23,8 @@ WARMUP_MAX_TOKENS = 4
 COUNTERS_WAIT_S = 5.0  # a few heartbeats (1 s apart)
 COUNTERS_POLL_S = 0.1
 FOLLOW_UP_TOKENS = 16  # the new part of a conversation's next turn
+SHARED_PREFIX_CONVERSATIONS = 4  # chats that open with one system prompt
+CHAT_SLACK_TOKENS = 64  # what a chat template and re-tokenized text may add to a prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,7 @@ async def run_benchmark(
                 }
             )
         cached = await _cached_ttft(client, plan, prompts)
+        shared = await _shared_prefix_ttft(client, plan, prompts)
     finally:
         await client.close()
     return {
@@ -95,6 +98,7 @@ async def run_benchmark(
         "hardware": nodes.hardware(cluster),
         "scenarios": results,
         "cached_ttft": cached,
+        "shared_prefix_ttft": shared,
     }
 
 
@@ -126,6 +130,39 @@ async def _cached_ttft(
                 "uncached_ttft_ms": opening.ttft * 1000,
                 "cached_ttft_ms": second.ttft * 1000 if second.cached_tokens else None,
                 "cached_tokens": second.cached_tokens,
+            }
+        )
+    return rows
+
+
+async def _shared_prefix_ttft(
+    client: Client, plan: BenchPlan, prompts: PromptSource
+) -> list[dict[str, Any]]:
+    """`SHARED_PREFIX_CONVERSATIONS` chats, one after another, that open with the same system
+    prompt (the plan's longest prompt length) and go on with a question of their own: the
+    first prefills it all, the later ones only what follows the system prompt when the
+    server's conversation cache keeps it. Chats, not token ids, so that the server's chat
+    template marks where the system prompt ends."""
+    first = plan.scenarios[0]
+    length = max(s.prompt_tokens for s in plan.scenarios)
+    if length + FOLLOW_UP_TOKENS + CHAT_SLACK_TOKENS + WARMUP_MAX_TOKENS > plan.max_context:
+        return []
+    scenario = Scenario(length, WARMUP_MAX_TOKENS, 1, first.sampled, first.mtp, concurrency=1)
+    system = {"role": "system", "content": prompts.text(length)}
+    start = time.perf_counter()
+    rows = []
+    for i in range(SHARED_PREFIX_CONVERSATIONS):
+        question = {"role": "user", "content": prompts.text(FOLLOW_UP_TOKENS)}
+        record = await client.chat([system, question], scenario, plan.seed + i, start)
+        if not record.ok:
+            raise BenchError(f"the shared-prefix requests failed: {record.error}")
+        rows.append(
+            {
+                "conversation": i,
+                "system_tokens": length,
+                "prompt_tokens": record.prompt_tokens,
+                "cached_tokens": record.cached_tokens,
+                "ttft_ms": record.ttft * 1000,
             }
         )
     return rows

@@ -89,10 +89,24 @@ class Client:
         self, prompt: Sequence[int], scenario: Scenario, seed: int, start: float
     ) -> RequestRecord:
         """Send one streaming completion; a refusal or a broken stream is the record's error."""
+        body = {"prompt": list(prompt)}
+        return await self._stream("/v1/completions", body, scenario, seed, start)
+
+    async def chat(
+        self, messages: list[dict[str, str]], scenario: Scenario, seed: int, start: float
+    ) -> RequestRecord:
+        """`complete` for a chat: the server renders the messages with its chat template."""
+        return await self._stream(
+            "/v1/chat/completions", {"messages": messages}, scenario, seed, start
+        )
+
+    async def _stream(
+        self, path: str, prompt: dict[str, Any], scenario: Scenario, seed: int, start: float
+    ) -> RequestRecord:
         record = RequestRecord(sent=time.perf_counter() - start)
         body = {
             "model": self.model,
-            "prompt": list(prompt),
+            **prompt,
             "max_tokens": scenario.max_tokens,
             "ignore_eos": True,
             "mtp": scenario.mtp,
@@ -105,7 +119,7 @@ class Client:
             body["mtp_depth"] = self.mtp_depth
         sent = time.perf_counter()
         try:
-            async with self._session.post(f"{self.url}/v1/completions", json=body) as response:
+            async with self._session.post(f"{self.url}{path}", json=body) as response:
                 if response.status != 200:
                     message = _error_message(await response.text())
                     record.error = f"HTTP {response.status}: {message}"
@@ -131,7 +145,7 @@ class Client:
                 record.error = f"the stream failed: {event['error'].get('message')}"
                 return
             now = time.perf_counter()
-            if event.get("choices") and event["choices"][0].get("text"):
+            if event.get("choices") and _has_text(event["choices"][0]):
                 if last is None:
                     record.ttft = now - sent
                 else:
@@ -190,6 +204,13 @@ async def run_scenario(
         await asyncio.gather(*tasks)
     wall = time.perf_counter() - start
     return [r for r in records if r is not None], wall
+
+
+def _has_text(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries text: a completion's, or a chat reply's (its answer
+    or its reasoning)."""
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content"))
 
 
 def _error_message(text: str) -> str:

@@ -184,6 +184,7 @@ def table(report: dict[str, Any]) -> str:
         ]
         lines.append(f"  {scenario['name']:<{width}} " + "  ".join(parts))
     lines += _cached_lines(report)
+    lines += _shared_prefix_lines(report)
     lines += _baseline_lines(report)
     return "\n".join(lines)
 
@@ -198,6 +199,20 @@ def _cached_lines(report: dict[str, Any]) -> list[str]:
         for r in rows
     ]
     return ["", "TTFT of a follow-up turn (conversation cache): " + ", ".join(cells)]
+
+
+def _shared_prefix_lines(report: dict[str, Any]) -> list[str]:
+    rows = report.get("shared_prefix_ttft") or []
+    if not rows:
+        return []
+    first, later = rows[0], rows[1:]
+    cells = [f"first {first['ttft_ms']:.0f} ms ({first['cached_tokens']} cached)"]
+    cells += [f"{r['ttft_ms']:.0f} ms ({r['cached_tokens']} cached)" for r in later]
+    return [
+        "",
+        f"TTFT of chats sharing a {first['system_tokens']}-token system prompt: "
+        + ", ".join(cells),
+    ]
 
 
 def _baseline_lines(report: dict[str, Any]) -> list[str]:

@@ -123,6 +123,7 @@ class PromptSource:
 
     def __init__(self, tokenizer: Any) -> None:
         text = gzip.decompress(CORPUS_PATH.read_bytes()).decode()
+        self.tokenizer = tokenizer
         self.ids: tuple[int, ...] = tuple(
             token for piece in _PIECE.findall(text) for token in tokenizer.encode(piece)
         )
@@ -133,3 +134,8 @@ class PromptSource:
         start, self._next = self._next, (self._next + PROMPT_STRIDE) % len(self.ids)
         ring = itertools.islice(itertools.cycle(self.ids), start, start + length)
         return tuple(ring)
+
+    def text(self, length: int) -> str:
+        """The next prompt of `length` tokens as text (for a chat message; the server's chat
+        template and tokenizer decide its exact length)."""
+        return self.tokenizer.decode(list(self.take(length)))

@@ -1,8 +1,11 @@
 """A shard's prefix snapshots: the conversation cache's share that lives on one node.
 
-When a request's prompt or answer ends, the driver may ask each node to keep its layers' state
-at that point: attention KV up to there, and the GatedDeltaNet conv and recurrent states, which
-fold every position in and cannot be trimmed back, so a reuse point must be an exact snapshot.
+At the end of a prompt, at a message boundary inside it (the end of a prefill chunk that the
+driver cut there), or at the end of an answer, the driver may ask each node to keep its layers'
+state at that point: attention KV up to there, and the GatedDeltaNet conv and recurrent states,
+which fold every position in and cannot be trimmed back, so a reuse point must be an exact
+snapshot. Its memory is the KV of its positions (growing with them) plus one GatedDeltaNet state
+per layer (the same at any length), `CacheSnapshot.kv_nbytes` and `state_nbytes`.
 A later request that extends the same tokens opens from the snapshot and computes only the
 rest. On the tail the MTP head's cache comes along: its pairs before the snapshot's last
 position, and the MTP input at that position, whose pair waits for the next request's token.
@@ -86,7 +89,28 @@ class CacheSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for pair in self.arrays if pair is not None for a in pair)
+        return self.kv_nbytes + self.state_nbytes
+
+    @property
+    def kv_nbytes(self) -> int:
+        """The attention layers' share: grows with `position`."""
+        return sum(
+            a.nbytes
+            for linear, pair in zip(self.linear, self.arrays, strict=True)
+            if pair is not None and not linear
+            for a in pair
+        )
+
+    @property
+    def state_nbytes(self) -> int:
+        """The GatedDeltaNet layers' share: the same at any `position`."""
+        return sum(
+            a.nbytes
+            for linear, pair in zip(self.linear, self.arrays, strict=True)
+            if pair is not None and linear
+            for a in pair
+            if a is not None
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +123,21 @@ class TailSnapshot:
 
     @classmethod
     def take(cls, state: TailRequest, positions: int) -> TailSnapshot:
+        """After a sampled step (the prompt's last chunk, a decode step) the MTP input at
+        `positions - 1` is among the step's recent inputs; after a prefill chunk that is not
+        the prompt's last (a message boundary), it is the input still waiting for its token."""
         if state.mtp_cache is None:
             return cls(None, None)
-        row = positions - 1 - state.recent_start
-        recent = state.recent_inputs
-        if recent is None or not 0 <= row < recent.shape[1]:
-            raise ValueError(f"the tail kept no MTP input for position {positions - 1}")
-        pending = mx.contiguous(recent[:, row : row + 1])
+        if state.pending_hidden is not None:
+            if state.mtp_cache.position != positions - 1:
+                raise ValueError(f"the tail's MTP input waits at {state.mtp_cache.position}")
+            pending = mx.contiguous(state.pending_hidden)  # not a view of the chunk's rows
+        else:
+            row = positions - 1 - state.recent_start
+            recent = state.recent_inputs
+            if recent is None or not 0 <= row < recent.shape[1]:
+                raise ValueError(f"the tail kept no MTP input for position {positions - 1}")
+            pending = mx.contiguous(recent[:, row : row + 1])
         mx.eval(pending)
         return cls(CacheSnapshot.take(state.mtp_cache, positions - 1), pending)
 
