@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -95,6 +96,7 @@ class Run:
     accepted: int
     verdicts: tuple[tuple[int, int], ...]  # (drafts verified, accepted) of each decode step
     mode: str = "greedy"
+    gaps: tuple[float, ...] = ()  # seconds between the chunks of the stream
 
 
 def _options(variant: str, sampling: SamplingParams) -> RequestOptions:
@@ -119,9 +121,10 @@ async def _decode(
         drafted, accepted = chunk.drafted, chunk.accepted
     (w0, c0), (w1, c1) = stamps[0], stamps[-1]
     after = tokens - 1
+    gaps = tuple(b[0] - a[0] for a, b in itertools.pairwise(stamps))
     return Run(
         variant, 0, 0, tokens, after / (w1 - w0), after / (c1 - c0), chunk.drafted,
-        chunk.accepted, tuple(verdicts),
+        chunk.accepted, tuple(verdicts), gaps=gaps,
     )  # fmt: skip
 
 
@@ -428,12 +431,15 @@ async def oracle_table(
             previous = install_oracle(rate, seed=int(rate * 100))
             try:
                 tps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
+                auto_runs: list[Run] = []
                 for _ in range(rounds):
                     shuffled = list(ORACLE_VARIANTS)
                     order.shuffle(shuffled)
                     for variant in shuffled:
                         run = await _decode(local.engine, prompt, variant, max_tokens, GREEDY)
                         tps[variant].append(run.decode_tps)
+                        if variant == "auto":
+                            auto_runs.append(run)
             finally:
                 remove_oracle(previous)
             table[str(rate)] = {
@@ -443,11 +449,28 @@ async def oracle_table(
                 }
                 for v in ORACLE_VARIANTS
             }
+            table[str(rate)]["auto"]["choices"] = auto_choices(auto_runs)
             row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in ORACLE_VARIANTS)
             print(f"acceptance {rate:.1f}: {row}", flush=True)
+            print(f"  auto: {table[str(rate)]['auto']['choices']}", flush=True)
     finally:
         local.close()
     return table
+
+
+def auto_choices(runs: list[Run]) -> dict:
+    """What `auto` chose over its runs: the mean drafts a step, the share of steps without
+    drafts, and its slowest steps against its median one (a step that builds a new shape
+    stands out there)."""
+    drafted = [d for run in runs for d, _ in run.verdicts]
+    gaps = sorted(g for run in runs for g in run.gaps)
+    mid = median(gaps) if gaps else 0.0
+    return {
+        "mean_depth": sum(drafted) / max(len(drafted), 1),
+        "plain_share": sum(d == 0 for d in drafted) / max(len(drafted), 1),
+        "slowest_over_median": [round(g / mid, 1) for g in gaps[-3:]] if mid else [],
+        "steps_over_3x_median": sum(g > 3 * mid for g in gaps),
+    }
 
 
 def shape_steps(args) -> None:

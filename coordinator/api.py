@@ -175,7 +175,9 @@ class _Api:
                     param="response_format",
                 )
             constraint = self._grammars.constraint(chat.json_schema)
-        return await self._generate(request, prompt.tokens, chat.params, fmt, constraint)
+        return await self._generate(
+            request, prompt.tokens, chat.params, fmt, constraint, prompt.boundaries
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         max_context = self._engine.max_context
@@ -226,6 +228,7 @@ class _Api:
             "queued": self._admission.queued,
             "max_running": self._admission.max_running,
             "max_queued": self._admission.max_queued,
+            "max_context": self._engine.max_context,
         }
         body["model"] = {
             "id": self._model_id,
@@ -272,17 +275,26 @@ class _Api:
         prompt: tuple[int, ...],
         params: CommonParams,
         constraint: TokenConstraint | None = None,
+        boundaries: tuple[int, ...] = (),
     ) -> GenerationRequest:
-        """Check the context budget here, before a slot is taken, and build the request."""
+        """Check the context budget here, before a slot is taken, and build the request.
+
+        The limit is the longest request served (`--max-context`: the nodes' memory is planned
+        for it), so a request beyond it is refused here and never runs a node out of memory."""
         max_context = self._engine.max_context
         room = max_context - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room or room < 1:
+            asked = (
+                f"max_tokens ({max_tokens})"
+                if params.max_tokens is not None
+                else "at least one token to generate"
+            )
             raise ApiError(
                 400,
-                f"This model's maximum context length is {max_context} tokens. However, you "
-                f"requested {len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the "
-                f"prompt, {max(max_tokens, 1)} for the completion).",
+                f"prompt ({len(prompt)} tokens) + {asked} exceeds --max-context {max_context}: "
+                f"this cluster serves requests of at most {max_context} tokens, prompt and "
+                "completion together",
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
@@ -299,7 +311,12 @@ class _Api:
         stop_tokens = frozenset() if params.ignore_eos else self._stop_tokens
         try:
             return GenerationRequest(
-                prompt, max_tokens, options, stop_tokens, constraint=constraint
+                prompt,
+                max_tokens,
+                options,
+                stop_tokens,
+                constraint=constraint,
+                boundaries=boundaries,
             )
         except RequestError as exc:
             raise ApiError(400, str(exc), code="invalid_request") from exc
@@ -311,8 +328,9 @@ class _Api:
         params: CommonParams,
         fmt: ResponseObjects,
         constraint: TokenConstraint | None = None,
+        boundaries: tuple[int, ...] = (),
     ) -> web.StreamResponse:
-        generation = self._generation_request(prompt, params, constraint)
+        generation = self._generation_request(prompt, params, constraint, boundaries)
         # Timed from here: the wait for a slot is part of the client's time to first token.
         timed = self.history.recorder.timed(self._engine)
         async with self._admission.slot():

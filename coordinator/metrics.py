@@ -27,6 +27,13 @@ class HopStatus:
     # Every address of the successor measured: (host:port, median round trip in ms, or None
     # where it did not answer), the chosen one among them.
     tried: tuple[tuple[str, float | None], ...] = ()
+    # Failover: moves to another address (the last one's reason) and back to the best;
+    # `degraded` while the hop runs over another address than `best_address`.
+    failovers: int = 0
+    failbacks: int = 0
+    last_failover: str = ""
+    degraded: bool = False
+    best_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,10 @@ class NodeStatus(Stage):
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0
     prefix_budget_bytes: int = 0
+    # The caches of the requests the node holds now (attention KV, GatedDeltaNet state, and on
+    # the tail the MTP head's KV), and how many requests hold them.
+    request_cache_bytes: int = 0
+    running_requests: int = 0
     # MLX's memory on the node: arrays alive, freed buffers kept for reuse (bounded by the
     # node's cache limit), and the high-water mark since it started.
     mlx_active_bytes: int = 0
@@ -96,10 +107,12 @@ class ClusterStats:
     errors_total: int
     model_id: str
     # The conversation (prefix) cache: requests that started from a snapshot, the prompt
-    # tokens they did not prefill, and the prefixes every node holds now.
+    # tokens they did not prefill, and the prefixes every node holds now; the requests that
+    # found none, by reason (cluster.decode.prefix_index.MISS_REASONS).
     prefix_cache_hits: int = 0
     prefix_cache_saved_tokens: int = 0
     prefix_cache_entries: int = 0
+    prefix_cache_misses: dict[str, int] = field(default_factory=dict)
     # Requests continued on a new placement after a node loss, and those that could not be.
     replays_total: int = 0
     replays_failed: int = 0
@@ -176,6 +189,7 @@ def render_prometheus(
     for name, help_text, value_of in _NODE_GAUGES:
         samples = [({"node": node.node_id}, value_of(node)) for node in nodes]
         out.family(name, "gauge", help_text, samples)
+    _hop_families(out, [node for node in nodes if node.hop is not None])
     cluster_values = {
         "cluster_tokens_per_second": stats.tokens_per_s,
         "cluster_mtp_acceptance_rate": stats.acceptance_rate,
@@ -195,6 +209,15 @@ def render_prometheus(
     }
     for name, (kind, help_text) in _CLUSTER_METRICS.items():
         out.family(name, kind, help_text, [({}, cluster_values[name])])
+    misses = [({"reason": reason}, n) for reason, n in stats.prefix_cache_misses.items()]
+    out.family(
+        "cluster_prefix_cache_misses",
+        "counter",
+        "Requests that found no cached prefix, by reason: evicted, over_budget, retokenized "
+        "(matched up to a few tokens before a cached end), repeat (no stored point before the "
+        "prompt's end), never_stored.",
+        misses,
+    )
     return out.text()
 
 
@@ -225,6 +248,16 @@ _NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeStatus], float]], ...] = (
         "Memory of the node's conversation-cache snapshots.",
         lambda node: node.prefix_snapshot_bytes,
     ),
+    (
+        "cluster_node_request_cache_bytes",
+        "Memory of the caches (KV and GatedDeltaNet state) of the requests the node holds.",
+        lambda node: node.request_cache_bytes,
+    ),
+    (
+        "cluster_node_running_requests",
+        "Requests whose caches the node holds.",
+        lambda node: node.running_requests,
+    ),
 )
 
 # name -> (type, help); counters are written with the `_total` suffix.
@@ -248,6 +281,24 @@ _CLUSTER_METRICS: dict[str, tuple[str, str]] = {
     "cluster_replays": ("counter", "Requests replayed on a new placement after a node loss."),
     "cluster_replays_failed": ("counter", "Requests that lost their node and found no placement."),
 }
+
+
+def _hop_families(out: _Exposition, nodes: list[NodeStatus]) -> None:
+    """Each hop's link: where it runs, whether that is its best address, how often it moved."""
+    link = [({"node": n.node_id, "address": n.hop.address, "kind": n.hop.kind}, 1.0) for n in nodes]
+    out.family(
+        "cluster_hop_link", "gauge", "The address a node streams to its successor over.", link
+    )
+    degraded = [({"node": n.node_id}, float(n.hop.degraded)) for n in nodes]
+    out.family(
+        "cluster_hop_degraded", "gauge", "1 while a hop runs over a slower address.", degraded
+    )
+    failovers = [({"node": n.node_id}, n.hop.failovers) for n in nodes]
+    out.family(
+        "cluster_hop_failovers", "counter", "Moves of a hop to its next-best address.", failovers
+    )
+    failbacks = [({"node": n.node_id}, n.hop.failbacks) for n in nodes]
+    out.family("cluster_hop_failbacks", "counter", "Moves of a hop back to its best.", failbacks)
 
 
 def _node_labels(node: NodeStatus) -> dict[str, str]:

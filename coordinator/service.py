@@ -22,11 +22,23 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
 from cluster.decode.prefix_index import PrefixIndex
 from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
-from cluster.decode.warmup import WarmupHook, WarmupProgress, plan_warmup, run_warmup
-from cluster.model.footprint import ModelFootprint
+from cluster.decode.warmup import (
+    WarmupHook,
+    WarmupProgress,
+    measure_interleave_chunk,
+    plan_warmup,
+    run_warmup,
+)
+from cluster.model.footprint import ModelFootprint, model_max_context
 from cluster.model.loading import NO_MTP_HEAD
 from cluster.model.shard import ShardSpec
-from cluster.placement import NodeCapacity, PlacementError, PlacementPlan, plan_placement
+from cluster.placement import (
+    NodeCapacity,
+    PlacementError,
+    PlacementPlan,
+    plan_longest_context,
+    plan_placement,
+)
 from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.transport.wire import step_phases_ms
 from coordinator.admission import AdmissionController
@@ -37,7 +49,12 @@ from coordinator.history import History
 from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
 from coordinator.progress import transfer_fraction
 from coordinator.replay import ReplayingEngine
-from coordinator.settings import LOOPBACK_HOSTS, CoordinatorSettings, check_endpoint
+from coordinator.settings import (
+    LOOPBACK_HOSTS,
+    CoordinatorSettings,
+    check_endpoint,
+    check_max_context,
+)
 from coordinator.weights_host import WeightsHost
 from proto import cluster_pb2 as pb
 
@@ -50,17 +67,20 @@ REBALANCE_IDLE_S = 2.0  # idle this long, the coordinator may move to a better p
 
 
 class MeteredEngine:
-    """The engine as the HTTP layer sees it, counting tokens and MTP drafts as they pass."""
+    """The engine as the HTTP layer sees it, counting tokens and MTP drafts as they pass.
+    Its `max_context` is the longest request served (`--max-context`, what the nodes' memory
+    was planned for), which the HTTP layer checks before a request takes a slot."""
 
-    def __init__(self, engine: GenerationEngine | ReplayingEngine):
+    def __init__(self, engine: GenerationEngine | ReplayingEngine, *, max_context: int):
         self.engine = engine
+        self.served_context = max_context
         self.events: deque[tuple[float, int]] = deque()  # (time, tokens emitted)
         self.drafted = 0
         self.accepted = 0
 
     @property
     def max_context(self) -> int:
-        return self.engine.max_context
+        return min(self.served_context, self.engine.max_context)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         drafted = accepted = 0
@@ -104,6 +124,12 @@ class Coordinator:
         self.directory = directory
         self.admission = admission
         self.footprint = ModelFootprint.from_dir(settings.model_dir)
+        if settings.max_context is not None:
+            check_max_context(settings.max_context, settings.model_dir)
+        # The longest request served: the settings', else fixed by the first placement (the
+        # model's own context, or the longest that fits) and kept by every later one, so that
+        # what was admitted once is never refused by a re-placement.
+        self.max_context: int | None = settings.max_context
         # Whether the checkpoint holds the MTP head the config declares: mlx-lm's conversions
         # drop the `mtp.*` tensors, and the tail then loads without it (cluster.model.loading).
         # Without it every request is served without drafts, whatever it asks for.
@@ -188,14 +214,25 @@ class Coordinator:
         if layers is not None and len(nodes) < len(layers):
             raise NodeUnavailable(f"{len(nodes)} node(s) answer, --layers needs {len(layers)}")
         nodes = nodes[: len(layers)] if layers else nodes
-        return plan_placement(
-            nodes,
-            self.footprint,
-            context_tokens=self.settings.context_tokens,
-            concurrency=self.settings.max_running,
-            layers=layers,
-            use_all=self.settings.use_all,
-        )
+        kwargs = {
+            "concurrency": self.settings.max_running,
+            "layers": layers,
+            "use_all": self.settings.use_all,
+            "prefix_cache": self.settings.prefix_cache,
+        }
+        if self.max_context is None:
+            model_context = model_max_context(self.model_dir)
+            plan = plan_longest_context(nodes, self.footprint, max_context=model_context, **kwargs)
+            if plan.context_tokens < model_context:
+                log.warning(
+                    "the model's context of %d tokens does not fit the nodes at --max-running "
+                    "%d; serving requests of at most %d tokens (--max-context to choose)",
+                    model_context,
+                    self.settings.max_running,
+                    plan.context_tokens,
+                )
+            return plan
+        return plan_placement(nodes, self.footprint, context_tokens=self.max_context, **kwargs)
 
     async def _load(self) -> None:
         nodes = await self._capacities()
@@ -204,21 +241,21 @@ class Coordinator:
         self._placed_at = time.monotonic()
         self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         addresses = [stage.address for stage in plan.stages]
-        ranges = [(stage.shard.start, stage.shard.end) for stage in plan.stages]
         pipeline = await load_pipeline(
-            self.model_dir, addresses, self._pipeline_settings(ranges), epoch=self.epoch
+            self.model_dir, addresses, self._pipeline_settings(plan), epoch=self.epoch
         )
         # Heard again before the plan is shown: the status then shows the shards and hops
         # just loaded, never what the nodes said before (no hop yet, or a replaced one).
         placed = [n for n in self.directory.nodes() if n.address in addresses]
         await asyncio.gather(*(self._probe(n) for n in placed))
         old, self.pipeline, self.plan = self.pipeline, pipeline, plan
+        self.max_context = plan.context_tokens
         self.epoch = pipeline.epoch  # an adopted pipeline keeps the epoch its nodes hold
         if self.generation is None:
             index = PrefixIndex() if self.settings.prefix_cache else None
             self.generation = GenerationEngine(pipeline, prefix_index=index)
             self.replaying = ReplayingEngine(self.generation, self)
-            self.engine = MeteredEngine(self.replaying)
+            self.engine = MeteredEngine(self.replaying, max_context=plan.context_tokens)
         else:
             self.generation.pipeline = pipeline
         self._placed.set()
@@ -227,13 +264,21 @@ class Coordinator:
             await old.close()
         log.info("model placed (epoch %d):\n%s", self.epoch, plan.format_table())
 
-    def _pipeline_settings(self, ranges: list[tuple[int, int]]) -> PipelineSettings:
+    def _pipeline_settings(self, plan: PlacementPlan) -> PipelineSettings:
         settings = self.settings
         fetch = self.weights.load_args() if self.weights is not None else {}
+        # The conversation cache's budget the plan reserved. PipelineSettings gives every node
+        # one budget, so each gets the largest stage's. Every node holds snapshots of the same
+        # positions and an eviction anywhere drops a prefix everywhere, so a node with fewer
+        # attention layers fills its share at about the pace the largest does; it can hold
+        # more than planned only where its layers are mostly GatedDeltaNet and the snapshots
+        # short, by at most the difference of the two budgets.
+        snapshots = max(stage.snapshot_bytes for stage in plan.stages)
         return PipelineSettings(
             token=settings.token,
             tls=settings.tls,
-            ranges=ranges,
+            ranges=[(stage.shard.start, stage.shard.end) for stage in plan.stages],
+            prefix_budget_bytes=snapshots if plan.prefix_cache else None,
             node_model_dir=settings.node_model_dir,
             pinned_addresses=settings.pinned_addresses,
             adopt=settings.adopt_shards,  # keep shards that nodes already hold (no reload)
@@ -255,7 +300,7 @@ class Coordinator:
             steps = plan_warmup(
                 prefill_chunk=generation.prefill_chunk,
                 max_running=self.settings.max_running,
-                max_context=pipeline.max_context,
+                max_context=min(self.max_context or pipeline.max_context, pipeline.max_context),
                 mtp_depth=self.settings.mtp_depth,
                 has_mtp=self.has_mtp_head,
             )
@@ -272,6 +317,13 @@ class Coordinator:
                     hook=hook,
                     say=say,
                 )
+                choice = await measure_interleave_chunk(
+                    pipeline,
+                    generation.prefill_chunk,
+                    load_model_config(self.model_dir).text.vocab_size,
+                )
+                generation.interleave_chunk = choice.chunk
+                say(choice.line())
             except Exception as error:
                 if pipeline.failure is not None or pipeline is not self.pipeline:
                     log.info("warm-up cut short (%s); the new placement warms up again", error)
@@ -460,6 +512,8 @@ class Coordinator:
             prefix_snapshots=info.prefix_snapshots,
             prefix_snapshot_bytes=info.prefix_snapshot_bytes,
             prefix_budget_bytes=info.prefix_budget_bytes,
+            request_cache_bytes=info.cache_bytes,
+            running_requests=info.active_requests,
             mlx_active_bytes=info.mlx_active_bytes,
             mlx_cache_bytes=info.mlx_cache_bytes,
             mlx_peak_bytes=info.mlx_peak_bytes,
@@ -483,6 +537,7 @@ class Coordinator:
             prefix_cache_hits=index.stats.hits if index else 0,
             prefix_cache_saved_tokens=index.stats.cached_tokens if index else 0,
             prefix_cache_entries=len(index) if index else 0,
+            prefix_cache_misses=dict(index.stats.misses) if index else {},
             replays_total=replaying.replays_total if replaying else 0,
             replays_failed=replaying.replays_failed if replaying else 0,
         )
@@ -559,4 +614,15 @@ def hop_status(hop: pb.HopLink) -> HopStatus:
     """A node's report of its hop as the status shows it; an address that did not answer
     has None for its round trip, not 0 ms."""
     tried = tuple((t.address, t.rtt_ms if t.answered else None) for t in hop.tried)
-    return HopStatus(hop.address, hop.kind, hop.rtt_ms, hop.measured, tried)
+    return HopStatus(
+        hop.address,
+        hop.kind,
+        hop.rtt_ms,
+        hop.measured,
+        tried,
+        failovers=hop.failovers,
+        failbacks=hop.failbacks,
+        last_failover=hop.last_failover,
+        degraded=hop.degraded,
+        best_address=hop.best_address,
+    )

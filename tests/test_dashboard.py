@@ -111,3 +111,18 @@ def test_dashboard_says_which_nodes_keep_their_mac_awake(page_and_server: tuple[
         expect(cards.nth(i)).to_contain_text("measuring")  # no hop reported yet
     expect(cards.nth(2).locator("dd.asleep")).to_have_text(f"no · {note}")
     expect(cards.nth(2)).not_to_contain_text("measuring")  # the tail has no hop
+
+
+def test_dashboard_shows_the_caches_of_the_running_requests(page_and_server: tuple[Any, Served]):
+    """Each card shows how many requests the node holds caches for, their bytes, and the
+    bytes per request; a node that holds none shows no such row."""
+    page, served = page_and_server
+    expect = playwright.expect
+    served.view.nodes = [
+        replace(n, running_requests=2, request_cache_bytes=4 * 2**20) if i == 0 else n
+        for i, n in enumerate(served.view.nodes)
+    ]
+    cards = page.locator(".node")
+    expect(cards).to_have_count(3, timeout=POLL_DEADLINE_MS)
+    expect(cards.nth(0)).to_contain_text("2 · 4 MiB · 2 MiB each", timeout=POLL_DEADLINE_MS)
+    expect(cards.nth(1)).not_to_contain_text("Request caches")

@@ -97,6 +97,72 @@ def test_small_prefill_chunks_give_the_same_tokens(model_dir, prompts, with_mtp)
     assert [o.tokens for o in run(go())] == [o.tokens for o in with_mtp]
 
 
+class _ChunkRecorder:
+    """A pipeline that records the prefill steps it passes on (steps of more than one
+    confirmed position, or at position 0)."""
+
+    def __init__(self, pipeline) -> None:
+        self.pipeline = pipeline
+        self.prefill_sizes: dict[str, list[int]] = {}
+
+    @property
+    def max_context(self) -> int:
+        return self.pipeline.max_context
+
+    async def submit(self, step):
+        if step.n_confirmed > 1 or step.position == 0:
+            request = step.request_id.split(".")[0]
+            self.prefill_sizes.setdefault(request, []).append(len(step.tokens))
+        return await self.pipeline.submit(step)
+
+    async def release(self, request_id: str) -> None:
+        await self.pipeline.release(request_id)
+
+
+def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
+    model_dir, prompts
+) -> None:
+    """Alone, a prompt goes in `prefill_chunk` chunks; while another request decodes, in
+    `interleave_chunk` ones; the tokens are the same either way."""
+
+    async def go():
+        local = await open_local_engine(model_dir)
+        recorder = _ChunkRecorder(local.engine.pipeline)
+        engine = GenerationEngine(recorder, prefill_chunk=16)
+        engine.interleave_chunk = 4
+        long_prompt = (tuple(prompts[1]) * 8)[:40]
+        try:
+            alone = await engine.generate(GenerationRequest(long_prompt, 8, request_id="alone"))
+            first_token = asyncio.Event()
+
+            async def decode() -> None:
+                request = GenerationRequest(tuple(prompts[0]), 64, request_id="decoding")
+                async for _ in engine.stream(request):
+                    first_token.set()
+
+            running = asyncio.create_task(decode())
+            await first_token.wait()
+            joined = await engine.generate(GenerationRequest(long_prompt, 8, request_id="joined"))
+            await running
+            return recorder.prefill_sizes, alone.tokens, joined.tokens
+        finally:
+            local.close()
+
+    sizes, alone, joined = run(go())
+    assert sizes["alone"] == [16, 16, 8]
+    assert sizes["joined"] == [4] * 10
+    assert alone == joined
+
+
+def test_the_interleave_chunk_is_the_longest_within_the_budget() -> None:
+    from cluster.decode.warmup import INTERLEAVE_BUDGET, choose_interleave_chunk
+
+    step = 0.020
+    timed = {16: 0.021, 64: 0.025, 256: INTERLEAVE_BUDGET * step * 1.01, 512: 0.1}
+    assert choose_interleave_chunk(step, timed) == 64
+    assert choose_interleave_chunk(step, {16: 1.0, 64: 2.0}) == 16  # none fits: the shortest
+
+
 def test_prompt_longer_than_the_context_is_refused(model_dir) -> None:
     async def go() -> None:
         local = await open_local_engine(model_dir)

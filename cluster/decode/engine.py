@@ -9,13 +9,15 @@ result says how many positions stay, and the difference travels on the next step
 rollback signal.
 
 With a `PrefixIndex` (the conversation cache), a prompt that extends a cached prefix starts
-from that prefix's snapshot on every shard and prefills only the rest; the end of the prompt
-and the end of the answer are kept as new snapshots.
+from that prefix's snapshot on every shard and prefills only the rest. New snapshots are kept
+at the request's message boundaries (`GenerationRequest.boundaries`: prefill chunks are cut
+there), else at the end of the prompt, and at the end of the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,9 +25,13 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from cluster.decode.pipeline import Pipeline
-from cluster.decode.prefix_index import PrefixEntry, PrefixIndex, PrefixPipeline
+from cluster.decode.prefix_index import EVICTED, PrefixEntry, PrefixIndex, PrefixPipeline
 from cluster.decode.token_mask import TokenConstraint
 from cluster.messages import RequestError, RequestOptions, StepRequest, StepResult
+
+# Each boundary snapshot holds a whole GatedDeltaNet state besides its KV, and cuts a prefill
+# chunk: a request keeps at most this many, its first boundary and its last (`boundaries`).
+MAX_BOUNDARY_SNAPSHOTS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +43,22 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Which tokens may come next (e.g. a JSON schema); it goes on with the request.
     constraint: TokenConstraint | None = field(default=None, compare=False)
+    # Positions in the prompt, ascending, where a part that other prompts repeat ends (the
+    # chat template's message boundaries): with a conversation cache, the engine keeps its
+    # snapshots there instead of at the prompt's end (MAX_BOUNDARY_SNAPSHOTS at most).
+    boundaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise RequestError("the prompt is empty")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        points = (0, *self.boundaries, len(self.prompt) + 1)
+        if any(a >= b for a, b in itertools.pairwise(points)):
+            raise RequestError(
+                f"boundaries must ascend within the prompt's {len(self.prompt)} tokens, got "
+                f"{self.boundaries}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +108,12 @@ class GenerationEngine:
         prefix_index: PrefixIndex | None = None,
     ):
         self.prefill_chunk = prefill_chunk
+        # The chunk of a prompt that arrives while other requests decode (None: the same):
+        # a decode step that shares a batch with a chunk waits for it on every node, so a
+        # smaller chunk keeps the running streams' gaps between tokens short (measured at
+        # warm-up: `cluster.decode.warmup.measure_interleave_chunk`).
+        self.interleave_chunk: int | None = None
+        self._decoding = 0  # requests past their prefill, not yet ended
         self.prefix_index = prefix_index  # the pipeline must be a PrefixPipeline too
         self._background: set[asyncio.Task] = set()
         self.pipeline = pipeline
@@ -129,27 +151,32 @@ class GenerationEngine:
             return
         rid = _run_id(request)
         index = self.prefix_index
-        entry, save = None, 0
+        entry = None
         if index is not None:
-            entry = index.longest(request.prompt, request.options.mtp)
-            save = 0 if index.holds(request.prompt, request.options.mtp) else index.new_id()
+            entry = index.lookup(request.prompt, request.options.mtp).entry
+        saves = self._save_points(request, entry)
         fed = list(request.prompt)  # the tokens the shards' caches cover, once fed
         settled: tuple[StepRequest, StepResult] | None = None  # no step in flight
+        decoding = False
         try:
             try:
-                step, result = await self._prefill(rid, request, entry, save)
+                step, result = await self._prefill(rid, request, entry, saves)
             except RequestError:
                 if entry is None:
                     raise
                 # A shard lacks the snapshot (a drop still on its way): prefill it all.
                 assert index is not None
                 index.stats.fallbacks += 1
+                index.stats.misses[EVICTED] += 1
                 await asyncio.shield(self.pipeline.release(rid))
-                self._drop_everywhere([entry.snapshot_id, save])
-                rid, entry, save = _run_id(request), None, index.new_id()
-                step, result = await self._prefill(rid, request, None, save)
-            cached = self._count_prefill(request, entry, save)
+                self._drop_everywhere([entry.snapshot_id, *saves.values()])
+                rid, entry = _run_id(request), None
+                saves = self._save_points(request, None)
+                step, result = await self._prefill(rid, request, None, saves)
+            cached = self._count_prefill(request, entry, saves)
             produced = drafted = accepted = 0
+            decoding = True
+            self._decoding += 1
             while True:
                 fed += result.tokens
                 settled = (step, result)
@@ -166,6 +193,7 @@ class GenerationEngine:
                 settled = None
                 result = await self.pipeline.submit(step)
         finally:
+            self._decoding -= decoding
             await asyncio.shield(self._end(rid, request, settled, fed))
 
     async def _resumed(
@@ -263,23 +291,35 @@ class GenerationEngine:
         )
 
     async def _prefill(
-        self, rid: str, request: GenerationRequest, entry: PrefixEntry | None, save: int
+        self,
+        rid: str,
+        request: GenerationRequest,
+        entry: PrefixEntry | None,
+        saves: dict[int, int],
     ) -> tuple[StepRequest, StepResult]:
-        """The prompt from `entry`'s end (or from 0) in chunks; the last one keeps a prefix
-        snapshot `save` (0: none)."""
+        """The prompt from `entry`'s end (or from 0) in chunks, cut at the positions of
+        `saves` (position -> snapshot id), where the chunk that ends keeps that snapshot."""
         prompt, size = request.prompt, self.prefill_chunk
+        if self._decoding and self.interleave_chunk:
+            size = min(size, self.interleave_chunk)
         begin = entry.length if entry else 0
+        ends: list[int] = []
+        for stop in (*sorted(p for p in saves if p < len(prompt)), len(prompt)):
+            start = ends[-1] if ends else begin
+            ends += range(min(start + size, stop), stop, size)
+            ends.append(stop)
+        starts = [begin, *ends[:-1]]
         steps = [
             StepRequest(
                 rid,
-                prompt[i : i + size],
+                prompt[i:end],
                 position=i,
-                sample=i + size >= len(prompt),
+                sample=end == len(prompt),
                 options=request.options if i == begin else None,
                 prefix_from=entry.snapshot_id if entry and i == begin else 0,
-                prefix_save=save if i + size >= len(prompt) else 0,
+                prefix_save=saves.get(end, 0),
             )
-            for i in range(begin, len(prompt), size)
+            for i, end in zip(starts, ends, strict=True)
         ]
         if request.constraint is not None:
             steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
@@ -288,16 +328,35 @@ class GenerationEngine:
 
     # -- the conversation cache -------------------------------------------------------------
 
+    def _save_points(self, request: GenerationRequest, entry: PrefixEntry | None) -> dict[int, int]:
+        """Where the prefill keeps new snapshots (position -> snapshot id): the request's
+        message boundaries after `entry`, at most its first and its last (a shared head, and
+        the latest point a repeat or the next turn can start from); without boundaries, the
+        prompt's end. Prefixes the index holds already are not taken again."""
+        index = self.prefix_index
+        if index is None:
+            return {}
+        prompt, mtp = request.prompt, request.options.mtp
+        inside = [b for b in request.boundaries if b < len(prompt)]
+        if len(inside) > MAX_BOUNDARY_SNAPSHOTS:
+            inside = [*inside[: MAX_BOUNDARY_SNAPSHOTS - 1], inside[-1]]
+        begin = entry.length if entry else 0
+        # A prompt with boundaries needs no snapshot at its very end: its last boundary serves
+        # a repeat (which must leave a token to compute) and the next turn alike.
+        points = [b for b in inside if b > begin] if inside else [len(prompt)]
+        return {p: index.new_id() for p in points if not index.holds(prompt[:p], mtp)}
+
     def _count_prefill(
-        self, request: GenerationRequest, entry: PrefixEntry | None, save: int
+        self, request: GenerationRequest, entry: PrefixEntry | None, saves: dict[int, int]
     ) -> int:
-        """After a prefill: count a hit, index the prompt's snapshot. The tokens not prefilled."""
+        """After a prefill: count a hit, index the snapshots it kept. The tokens not
+        prefilled."""
         index = self.prefix_index
         if index is None:
             return 0
-        if save:
-            prompt_end = PrefixEntry.of(request.prompt, save, request.options.mtp)
-            self._drop_everywhere(index.add(prompt_end))
+        for position, snapshot_id in sorted(saves.items()):
+            kept = PrefixEntry.of(request.prompt[:position], snapshot_id, request.options.mtp)
+            self._drop_everywhere(index.add(kept))
         if entry is None:
             return 0
         index.stats.hits += 1
@@ -328,6 +387,8 @@ class GenerationEngine:
         if await pipeline.release_as_prefix(rid, snapshot_id, positions):
             entry = PrefixEntry.of(tokens, snapshot_id, request.options.mtp)
             self._drop_everywhere(index.add(entry))
+        else:
+            index.not_stored(tokens, request.options.mtp)
 
     def _prefix_dropped(self, snapshot_ids: list[int]) -> None:
         """A shard no longer holds these snapshots: they are usable nowhere."""

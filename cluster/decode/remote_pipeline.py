@@ -5,8 +5,10 @@ one step stream open to the head and one results stream open from every node, an
 each node with a heartbeat. A step is one message to the head; the nodes pass it along among
 themselves; the tail's result comes back on its results stream. Both streams are the nodes'
 plain TCP ones (`cluster.transport.step_link`, `cluster.transport.results_link`) where a node
-serves them (no TLS), gRPC otherwise. A node that dies or falls silent fails the requests in
-flight with an error that names it, within seconds.
+serves them (no TLS), gRPC otherwise. The TCP ones run over the best of the node's addresses
+as the driver measures them and move to the next-best when that path fails, losing nothing
+(`cluster.transport.failover`). A node that dies or falls silent fails the requests in flight
+with an error that names it, within seconds.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from cluster.messages import StepRequest, StepResult
 from cluster.model.shard import even_ranges, shard_specs
 from cluster.transport import step_records
 from cluster.transport.auth import TLSConfig
-from cluster.transport.hop_choice import split_host_port
+from cluster.transport.failover import (
+    LinkState,
+    ResultsStreamLink,
+    Route,
+    StepStreamLink,
+    routes_of,
+)
+from cluster.transport.hop_choice import choose_hop, split_host_port
 from cluster.transport.node_client import (
     RPC_TIMEOUT_S,
     NodeClient,
@@ -37,8 +46,7 @@ from cluster.transport.node_client import (
     NodeUnavailable,
     holds_shard,
 )
-from cluster.transport.results_link import ResultsLink
-from cluster.transport.step_link import StepLinkError, StepSender
+from cluster.transport.step_link import StepLinkError
 from cluster.transport.wire import results_from_proto, step_batch_bytes, step_batch_to_proto
 from proto import cluster_pb2 as pb
 
@@ -67,8 +75,11 @@ class RemotePipeline:
         micro_batches: int = 1,
         step_ports: list[int] | None = None,
         step_records: bool = False,
+        node_links: list[list[pb.NodeLink]] | None = None,
     ):
         self.clients = clients
+        # Each node's addresses (`NodeInfo.links`): the TCP streams fail over among them.
+        self.node_links = node_links or [[] for _ in clients]
         self.step_ports = step_ports or [0] * len(clients)
         self.step_records = step_records
         self.epoch = epoch  # LoadShardRequest.epoch of its shards; other epochs are ignored
@@ -80,8 +91,8 @@ class RemotePipeline:
         self._sequence = itertools.count()
         self._outbox: asyncio.Queue[StepRequest] = asyncio.Queue()
         self._head_call: grpc.aio.StreamStreamCall | None = None
-        self._head_link: StepSender | None = None
-        self._results_links: list[ResultsLink | None] = []  # each node's; None: over gRPC
+        self._head_link: StepStreamLink | None = None
+        self._results_links: list[ResultsStreamLink | None] = []  # each node's; None: gRPC
         self._tasks: list[asyncio.Task] = []
         self._releases: set[asyncio.Task] = set()
         self.failure: NodeUnavailable | None = None
@@ -102,20 +113,30 @@ class RemotePipeline:
             "results": ["tcp" if link else "grpc" for link in self._results_links],
         }
 
+    @property
+    def link_states(self) -> list[LinkState]:
+        """The driver's own TCP streams: to the head, and each node's results."""
+        links = [self._head_link, *self._results_links]
+        return [link.state for link in links if link is not None]
+
     async def start(self) -> None:
         head = self.clients[0]
-        self._head_link = await self._open_link(head, self.step_ports[0], StepSender.open)
+        self._head_link = await self._open_link(
+            head, self.step_ports[0], self.node_links[0], StepStreamLink.open, "coordinator -> "
+        )
         if self._head_link is None:
             self._head_call = head.stub.Steps(metadata=head.metadata)
         calls = []
         try:
-            for client, port in zip(self.clients, self.step_ports, strict=True):
+            for client, port, links in zip(
+                self.clients, self.step_ports, self.node_links, strict=True
+            ):
                 opener = functools.partial(
-                    ResultsLink.open,
+                    ResultsStreamLink.open,
                     on_batch=functools.partial(self._on_results, client),
-                    on_closed=functools.partial(self._results_closed, client),
+                    on_lost=functools.partial(self._results_closed, client),
                 )
-                link = await self._open_link(client, port, opener)
+                link = await self._open_link(client, port, links, opener, "results ")
                 self._results_links.append(link)
                 if link is None:
                     call = client.stub.Results(pb.ResultsRequest(), metadata=client.metadata)
@@ -136,14 +157,25 @@ class RemotePipeline:
 
     @staticmethod
     async def _open_link(
-        client: NodeClient, port: int, open_link: Callable[[str, int, str], Awaitable[Link]]
+        client: NodeClient,
+        port: int,
+        links: list[pb.NodeLink],
+        open_link: Callable[..., Awaitable[Link]],
+        name: str,
     ) -> Link | None:
-        """`open_link(host, port, token)` to the node's TCP port, or None for gRPC."""
+        """`open_link(name, routes, node_id, token, tls, port)` to the node's TCP port over
+        its addresses as measured from here, best first; None for gRPC."""
         if not port or client.tls is not None:
             return None
-        host, _ = split_host_port(client.address)
+        host, grpc_port = split_host_port(client.address)
+        routes: tuple[Route, ...] = (Route(host, grpc_port),)
+        if links:
+            choice = await choose_hop(client.address, links, client.node_id, client.token, None)
+            routes = routes_of(choice, links)
         try:
-            return await open_link(host, port, client.token)
+            return await open_link(
+                f"{name}{client.describe()}", routes, client.node_id, client.token, None, port
+            )
         except StepLinkError as error:  # a firewall, say: gRPC still works
             log.warning("%s; using gRPC for %s", error, client.describe())
             return None
@@ -156,7 +188,7 @@ class RemotePipeline:
             self._head_call.cancel()
         for link in self._results_links:
             if link is not None:
-                link.close()
+                await link.close()
         if self._head_link is not None:
             await self._head_link.close()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -284,7 +316,7 @@ class RemotePipeline:
         if self._head_link is not None:  # a TCP step stream has no answers, only its end
             await self._head_link.ended()
             head = self.clients[0].describe()
-            self.fail(NodeUnavailable(f"node {head} closed the step stream"))
+            self.fail(NodeUnavailable(f"node {head}: {self._head_link.failure}"))
             return
         try:
             async for event in self._head_call:
@@ -329,8 +361,13 @@ class RemotePipeline:
             try:
                 await client.info(timeout=self.heartbeat_timeout_s)
             except (NodeUnavailable, grpc.aio.AioRpcError) as error:
+                # Which link: the driver's control link to that address, which other nodes'
+                # links to the node do not share (a partition, or the node is gone).
                 self._fail_all(
-                    NodeUnavailable(f"node {client.describe()} stopped answering: {error}")
+                    NodeUnavailable(
+                        f"node {client.describe()} stopped answering on the coordinator's "
+                        f"link to {client.address}: {error}"
+                    )
                 )
 
     def _resolve(
@@ -484,6 +521,7 @@ async def load_pipeline(
         micro_batches=groups,
         step_ports=[info.step_port for info in infos] if s.links else None,
         step_records=s.links and infos[0].step_records,
+        node_links=[list(info.links) for info in infos],
     )
     await pipeline.start()
     return pipeline

@@ -299,6 +299,62 @@ class WarmupProgress:
         )
 
 
+# A decode step that shares a batch with a prefill chunk waits for the chunk on every node,
+# and the next one may meet the next chunk at the head: the running streams' gap between
+# tokens while a prompt prefills is up to about twice the time of one chunk through the
+# pipeline. Kept within this many times a plain decode step, a gap stays within the 3x of a
+# stream's median that a user notices least.
+INTERLEAVE_BUDGET = 1.5
+CALIBRATION_TOKENS = 8  # decode tokens timed for the decode step
+
+
+@dataclass(frozen=True, slots=True)
+class InterleaveChoice:
+    """The measurement behind `GenerationEngine.interleave_chunk`: seconds of one decode
+    step and of each prefill length through the pipeline, and the chunk chosen."""
+
+    decode_step_s: float
+    prefill_s: dict[int, float]
+    chunk: int
+
+    def line(self) -> str:
+        timed = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in sorted(self.prefill_s.items()))
+        return (
+            f"prefill chunk while others decode: {self.chunk} tokens (decode step "
+            f"{self.decode_step_s * 1e3:.1f} ms; prefill {timed})"
+        )
+
+
+def choose_interleave_chunk(decode_step_s: float, prefill_s: dict[int, float]) -> int:
+    """The longest timed prefill length within INTERLEAVE_BUDGET decode steps (the shortest
+    timed one if none is)."""
+    fits = [n for n, s in prefill_s.items() if s <= INTERLEAVE_BUDGET * decode_step_s]
+    return max(fits) if fits else min(prefill_s)
+
+
+async def measure_interleave_chunk(
+    pipeline: Pipeline, prefill_chunk: int, vocab_size: int
+) -> InterleaveChoice:
+    """Time, on a warm pipeline, one request's decode step and a prefill of each length in
+    powers of four from SHORTEST_PREFILL to the chunk (the second run of each shape, the
+    warm-up having run the first), and choose the chunk for prompts that arrive while others
+    decode. Within the context of `pipeline`."""
+    engine = GenerationEngine(pipeline, prefill_chunk=prefill_chunk)  # no conversation cache
+    off = RequestOptions(mtp=False)
+    lengths = [n for n in prefill_lengths(prefill_chunk, pipeline.max_context) if n < prefill_chunk]
+    lengths += [prefill_chunk] if prefill_chunk < pipeline.max_context else []
+    prompt = synthetic_prompt(DECODE_PROMPT_TOKENS, 0, vocab_size)
+    out = await engine.generate(GenerationRequest(prompt, CALIBRATION_TOKENS + 1, off))
+    decode_step_s = 1.0 / out.generation_tps if out.generation_tps else 0.0
+    prefill_s = {}
+    for n in lengths:
+        first = await engine.generate(GenerationRequest(synthetic_prompt(n, 1, vocab_size), 1, off))
+        prefill_s[n] = first.time_to_first_token_s
+    return InterleaveChoice(
+        decode_step_s, prefill_s, choose_interleave_chunk(decode_step_s, prefill_s)
+    )
+
+
 # Called before each step (`progress.step` names it) and once more at the end: a test
 # holds the warm-up here, or reads the nodes' counters between steps.
 WarmupHook = Callable[[WarmupProgress], Awaitable[None]]

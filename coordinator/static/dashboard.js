@@ -67,6 +67,12 @@ function nodeCard(node, index) {
     const parts = STEP_PHASES.map((name) => `${name} ${phases[name].toFixed(2)}`);
     rows.push(["Step phases", el("dd", "mono", `${parts.join(" · ")} ms`)]);
   }
+  if (node.running_requests || node.request_cache_bytes) {
+    // The KV and GatedDeltaNet state of the requests the node holds, and per request.
+    const fmt = (b) => (b >= 2 ** 20 ? fmtBytes(b) : `${(b / 1024).toFixed(0)} KiB`);
+    const each = node.running_requests ? ` · ${fmt(node.request_cache_bytes / node.running_requests)} each` : "";
+    rows.push(["Request caches", el("dd", "mono", `${node.running_requests} · ${fmt(node.request_cache_bytes)}${each}`)]);
+  }
   if (node.prefix_budget_bytes) {
     const mib = (node.prefix_snapshot_bytes / 2 ** 20).toFixed(1);
     const budget = (node.prefix_budget_bytes / 2 ** 20).toFixed(0);
@@ -81,7 +87,13 @@ function nodeCard(node, index) {
   }
   if (node.hop) {
     const how = node.hop.measured ? `${node.hop.rtt_ms.toFixed(2)} ms` : "given";
-    rows.push(["Next hop", el("dd", "mono", `${node.hop.address} · ${node.hop.kind || "?"} · ${how}`)]);
+    const hop = el("dd", node.hop.degraded ? "mono degraded" : "mono", `${node.hop.address} · ${node.hop.kind || "?"} · ${how}`);
+    if (node.hop.degraded) hop.append(` · degraded (best ${node.hop.best_address || "?"})`);
+    if (node.hop.failovers) {
+      hop.append(` · ${node.hop.failovers} failover${node.hop.failovers === 1 ? "" : "s"}`);
+      hop.title = `last: ${node.hop.last_failover || "?"}`;
+    }
+    rows.push(["Next hop", hop]);
   } else if (node.hop_state === "measuring") {
     rows.push(["Next hop", el("dd", "mono", "measuring")]);
   }
@@ -138,6 +150,9 @@ function drawStats(data) {
   $("stat-queued").textContent = admission ? `${admission.queued} / ${admission.max_queued}` : "—";
   $("stat-prefix").textContent = `${stats.prefix_cache_hits} (${stats.prefix_cache_saved_tokens} tok saved)`;
   $("stat-prefix").title = `${stats.prefix_cache_entries} prefixes cached on every node`;
+  const misses = Object.entries(stats.prefix_cache_misses || {}).filter(([, n]) => n > 0);
+  $("stat-prefix-misses").textContent = misses.length
+    ? "misses: " + misses.map(([reason, n]) => `${n} ${reason.replace("_", " ")}`).join(" · ") : "";
   $("stat-replays").textContent = String(stats.replays_total);
   $("stat-replays").title = `${stats.replays_failed} could not be replayed (no placement fits)`;
   $("stat-requests").textContent = String(stats.requests_total);
