@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import time
@@ -26,17 +27,18 @@ TOKEN = "link-failover-bench"
 FAST, SLOW = "127.0.0.2", "127.0.0.1"
 
 
-class SilentRelay:
-    """FAST:port to SLOW:port until `cut`, then nothing either way (and no new connections)."""
+class Relay:
+    """A TCP relay from FAST:port to SLOW:port that the test can cut: while cut, it passes
+    nothing on either way and accepts nothing (an interface gone down, not a reset)."""
 
     def __init__(self, port: int):
         self.port = port
         self.cut = False
-        self.server: asyncio.Server | None = None
-        self.pipes: set[asyncio.Task] = set()
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._relay, FAST, self.port)
+        self._server = await asyncio.start_server(self._relay, FAST, self.port)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.cut:
@@ -45,29 +47,30 @@ class SilentRelay:
         up_reader, up_writer = await asyncio.open_connection(SLOW, self.port)
         for source, sink in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.create_task(self._pipe(source, sink))
-            self.pipes.add(task)
-            task.add_done_callback(self.pipes.discard)
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
 
     async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while data := await source.read(65536):
-                if self.cut:
-                    return  # held forever: the path is gone
+                while self.cut:  # held, never delivered: the path is gone
+                    await asyncio.sleep(3600)
                 sink.write(data)
                 await sink.drain()
-        except OSError:
-            pass
+        sink.transport.abort()
 
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+    async def close(self) -> None:
+        for task in list(self._pipes):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
 
 
 async def one_trial(interval_s: float) -> float:
     arrived: dict[int, float] = {}
     listener = StepListener(TOKEN, lambda m: arrived.setdefault(m.sequence, time.perf_counter()))
     port = await listener.start(SLOW)
-    relay = SilentRelay(port)
+    relay = Relay(port)
     await relay.start()
     routes = (Route(FAST, 1, "fast"), Route(SLOW, 1, "slow"))
     link = await StepStreamLink.open("bench", routes, "", TOKEN, None, port)
@@ -89,7 +92,7 @@ async def one_trial(interval_s: float) -> float:
         return arrived[lost_first] - cut_at
     finally:
         await link.close()
-        relay.close()
+        await relay.close()
         await listener.close()
 
 

@@ -9,7 +9,6 @@ whole clusters across network namespaces (tests/hostlab.py) and skip where it ca
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from benchmarks.link_failover import FAST, SLOW, Relay
 from cluster.transport import failover
 from cluster.transport.auth import TokenInterceptor
 from cluster.transport.failover import ResultsStreamLink, Route, StepStreamLink
@@ -33,47 +33,7 @@ from tests import hostlab
 
 TOKEN = "failover-test-token"
 NODE_ID = "successor"
-FAST, SLOW = "127.0.0.2", "127.0.0.1"
 DEADLINE_S = 30.0
-
-
-class Relay:
-    """A TCP relay from FAST:port to SLOW:port that the test can cut: while cut, it passes
-    nothing on either way and accepts nothing (an interface gone down, not a reset)."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.cut = False
-        self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._relay, FAST, self.port)
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.cut:
-            writer.transport.abort()
-            return
-        up_reader, up_writer = await asyncio.open_connection(SLOW, self.port)
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(source, sink))
-            self._pipes.add(task)
-            task.add_done_callback(self._pipes.discard)
-
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await source.read(65536):
-                while self.cut:  # held, never delivered: the path is gone
-                    await asyncio.sleep(3600)
-                sink.write(data)
-                await sink.drain()
-        sink.transport.abort()
-
-    async def close(self) -> None:
-        for task in list(self._pipes):
-            task.cancel()
-        if self._server is not None:
-            self._server.close()
 
 
 class Pinged(pb_grpc.NodeServicer):

@@ -164,8 +164,20 @@ class _FailoverLink:
         self.failure: LinkLost | None = None
         self.lost = asyncio.get_running_loop().create_future()  # set once no address answers
 
-    def _start_watch(self) -> None:
-        self._watch = asyncio.create_task(self._watch_loop())
+    async def _open_over_best(self, failure: str) -> None:
+        """Connect over the first of the routes that answers and start watching; StepLinkError
+        (`failure`, then why each address failed) if none does."""
+        errors: list[str] = []
+        for route in self.state.routes:
+            try:
+                await self._connect(route)
+            except (StepLinkError, OSError) as error:
+                errors.append(f"{route.describe()}: {error}")
+                continue
+            self.state.current = route
+            self._watch = asyncio.create_task(self._watch_loop())
+            return
+        raise StepLinkError(f"{failure}: " + "; ".join(errors))
 
     async def _watch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -314,17 +326,8 @@ class StepStreamLink(_FailoverLink):
     ) -> StepStreamLink:
         """Open over the best address that answers (StepLinkError if none does)."""
         link = cls(name, routes, node_id, token, tls, port, on_moved)
-        errors: list[str] = []
-        for route in routes:
-            try:
-                await link._connect(route)
-            except (StepLinkError, OSError) as error:
-                errors.append(f"{route.describe()}: {error}")
-                continue
-            link.state.current = route
-            link._start_watch()
-            return link
-        raise StepLinkError(f"no step stream to {name}: " + "; ".join(errors))
+        await link._open_over_best(f"no step stream to {name}")
+        return link
 
     @property
     def address(self) -> str:
@@ -460,17 +463,8 @@ class ResultsStreamLink(_FailoverLink):
     ) -> ResultsStreamLink:
         """Subscribe over the best address that answers (StepLinkError if none does)."""
         link = cls(name, routes, node_id, token, tls, port, on_batch, on_lost, on_moved)
-        errors: list[str] = []
-        for route in routes:
-            try:
-                await link._connect(route)
-            except (StepLinkError, OSError) as error:
-                errors.append(f"{route.describe()}: {error}")
-                continue
-            link.state.current = route
-            link._start_watch()
-            return link
-        raise StepLinkError(f"no results stream from {name}: " + "; ".join(errors))
+        await link._open_over_best(f"no results stream from {name}")
+        return link
 
     def _batch(self, batch: pb.ResultBatch) -> None:
         self._last_batch = asyncio.get_running_loop().time()
