@@ -81,6 +81,7 @@ from google.protobuf import wrappers_pb2
 from benchmarks.common import bench_parser
 from cluster.messages import MAX_MTP_DEPTH, StepRequest, StepResult
 from cluster.transport import step_records, wire
+from cluster.transport.failover import Route, StepStreamLink
 from cluster.transport.results_link import ResultsLink
 from cluster.transport.step_link import StepListener, StepSender
 from node.stage import Subscribers
@@ -484,7 +485,7 @@ class _Tcp:
 
 
 class _Link:
-    """The nodes' step stream: steps out over a `StepSender`, their echoes in through the
+    """The nodes' step stream: steps out over a `StepStreamLink`, their echoes in through the
     client's `StepListener` (decoded as a node decodes a step)."""
 
     def __init__(self, step, inbox: asyncio.Queue) -> None:
@@ -492,7 +493,9 @@ class _Link:
         self._inbox = inbox
 
     async def open(self, port: int) -> _Link:
-        self._sender = await StepSender.open("127.0.0.1", port, LINK_TOKEN)
+        # As a node streams to its successor: resumable, each frame kept until acknowledged.
+        route = (Route("127.0.0.1", 0),)
+        self._sender = await StepStreamLink.open("hop", route, "", LINK_TOKEN, None, port)
         return self
 
     async def round_trip(self, i: int) -> None:
