@@ -10,7 +10,7 @@ i % --gpus) hold the same checkpoint at once: a real model's shape with random w
 each length at each chunk size on both, in a shuffled order (the prompt's chunks are submitted
 together, so over N nodes chunk k+1 runs on the head while chunk k runs further down), and
 times the first token (`max_tokens` 1, MTP off, no conversation cache). The first prefill of
-every (length, chunk) on each side is left out: it builds that shape.
+every (length, chunk) on each side builds that shape: it is reported apart (`cold_s`).
 
 Then, on the nodes at the default chunk:
 - decode at a long context against a short one: tokens/s of one request after a prompt of
@@ -179,9 +179,10 @@ async def prefill_rounds(
     order = random.Random(7)
     cases = [(n, c) for n in args.lengths for c in args.chunks]
     times: dict[tuple[int, int, str], list[float]] = {}
-    for n, c in cases:  # each shape's first prefill builds it
-        for engine in engines.values():
-            await ttft(engine, prompts[n], c)
+    cold: dict[tuple[int, int, str], float] = {}
+    for n, c in cases:  # each shape's first prefill builds it: kept apart, as `cold_s`
+        for name, engine in engines.items():
+            cold[(n, c, name)] = await ttft(engine, prompts[n], c)
     for rnd in range(args.rounds):
         for n, c in cases:
             names = list(engines)
@@ -199,6 +200,7 @@ async def prefill_rounds(
             f"{one} tok/s": n / median(a),
             f"{many} tok/s": n / median(b),
             "nodes_over_one": median([x / y for x, y in zip(a, b, strict=True)]),
+            "cold_s": {name: cold[(n, c, name)] for name in engines},
         }
         rows.append(row)
         print(
