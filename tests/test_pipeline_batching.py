@@ -45,6 +45,16 @@ def test_request_limit_defers_but_always_takes_the_first() -> None:
     assert take() == [("d", 1)] and not queue
 
 
+def test_no_step_overtakes_an_earlier_one_of_its_request() -> None:
+    """Messages carry steps of several requests: one left queued (its "b" already in the
+    batch) holds back a later message of its other request, whose first chunk it carries."""
+    queue = deque([("b",), ("a", "b"), ("a",), ("c",)])
+    take = lambda: take_batch(queue, 100, ids=lambda item: item, size=len)  # noqa: E731
+    assert take() == [("b",), ("c",)]
+    assert take() == [("a", "b")]
+    assert take() == [("a",)] and not queue
+
+
 def _stage(is_head: bool, live: str, micro_batches: int) -> Stage:
     runner = SimpleNamespace(
         spec=ShardSpec(0, 4, is_head=is_head, is_tail=False),

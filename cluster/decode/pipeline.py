@@ -40,10 +40,13 @@ def take_batch(
 ) -> list[T]:
     """The oldest queued items to run as one batch: at most one step per request (a request's
     next chunk waits for the next batch), at most `limit` positions and at most `max_requests`
-    requests (the first item is always taken). The rest stay queued, in order. Shared by the
-    local pipeline and nodes."""
+    requests (the first item is always taken). The rest stay queued, in order: an item that
+    shares a request with one left queued stays queued too, so that no request's step overtakes
+    an earlier one (an item may carry steps of several requests). Shared by the local pipeline
+    and nodes."""
     batch: list[T] = []
     seen: set[str] = set()
+    held: set[str] = set()  # the requests of the items left queued
     deferred: list[T] = []
     positions = 0
     while queue:
@@ -51,10 +54,12 @@ def take_batch(
         item_ids, item_size = ids(item), size(item)
         if (
             not seen.isdisjoint(item_ids)
+            or not held.isdisjoint(item_ids)
             or (batch and positions + item_size > limit)
             or (batch and max_requests is not None and len(seen) + len(item_ids) > max_requests)
         ):
             deferred.append(item)
+            held.update(item_ids)
             continue
         seen.update(item_ids)
         positions += item_size
