@@ -37,6 +37,30 @@ class HopStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class CoordinatorLinkStatus:
+    """One of the coordinator's own links to a node of the pipeline: `role` "steps" (its
+    step stream to the head), "results" (the node's results back to it) or "control" (its
+    heartbeat and other calls). `transport` "tcp" for the resumable streams, "grpc" for the
+    control calls and for a stream that rides the node's gRPC channel (under TLS, or with no
+    step port), which never moves. `node_address`: the node as `NodeStatus.address` names it.
+    Failover as a hop's (`HopStatus`); `failed`: why no address of the node answers."""
+
+    role: str
+    node_id: str
+    node_address: str
+    transport: str
+    address: str  # host:port the link runs over now
+    kind: str = ""
+    interface: str = ""
+    best_address: str = ""
+    degraded: bool = False
+    failovers: int = 0
+    failbacks: int = 0
+    last_failover: str = ""
+    failed: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class NodeStatus(Stage):
     """One pipeline stage as last heard from: its `Stage` (`shard` None on standby) and what
     the node reports."""
@@ -127,6 +151,17 @@ class ClusterView(Protocol):
 
     def stats(self) -> ClusterStats: ...
 
+    # Optional (`coordinator_links_of`): a view that drives a pipeline also has
+    #     def coordinator_links(self) -> list[CoordinatorLinkStatus]
+    # its own links to the nodes, head first.
+
+
+def coordinator_links_of(view: ClusterView) -> list[CoordinatorLinkStatus]:
+    """The coordinator's own links as `view` reports them; none from a view without them
+    (one that drives no pipeline of its own)."""
+    links = getattr(view, "coordinator_links", None)
+    return list(links()) if links is not None else []
+
 
 @dataclass(slots=True)
 class RequestCounters:
@@ -151,6 +186,7 @@ def cluster_json(view: ClusterView) -> dict[str, object]:
     nodes = view.node_statuses()
     return {
         "nodes": [_node_json(node) for node in nodes],
+        "coordinator_links": [asdict(link) for link in coordinator_links_of(view)],
         "stats": asdict(view.stats()),
         "healthy": bool(nodes) and all(node.up for node in nodes),
     }
@@ -190,6 +226,7 @@ def render_prometheus(
         samples = [({"node": node.node_id}, value_of(node)) for node in nodes]
         out.family(name, "gauge", help_text, samples)
     _hop_families(out, [node for node in nodes if node.hop is not None])
+    _coordinator_link_families(out, coordinator_links_of(view))
     cluster_values = {
         "cluster_tokens_per_second": stats.tokens_per_s,
         "cluster_mtp_acceptance_rate": stats.acceptance_rate,
@@ -299,6 +336,57 @@ def _hop_families(out: _Exposition, nodes: list[NodeStatus]) -> None:
     )
     failbacks = [({"node": n.node_id}, n.hop.failbacks) for n in nodes]
     out.family("cluster_hop_failbacks", "counter", "Moves of a hop back to its best.", failbacks)
+
+
+def _coordinator_link_families(out: _Exposition, links: list[CoordinatorLinkStatus]) -> None:
+    """The coordinator's own links, as the hops' families show a hop's (`role`: steps,
+    results, control), and the reason of each one's last failover."""
+    labels = [{"role": link.role, "node": link.node_id} for link in links]
+    where = [
+        (label | {"address": link.address, "kind": link.kind, "transport": link.transport}, 1.0)
+        for label, link in zip(labels, links, strict=True)
+    ]
+    out.family(
+        "cluster_coordinator_link",
+        "gauge",
+        "The address each of the coordinator's links to a node runs over.",
+        where,
+    )
+    out.family(
+        "cluster_coordinator_link_degraded",
+        "gauge",
+        "1 while a coordinator link runs over a slower address than its best.",
+        [(label, float(link.degraded)) for label, link in zip(labels, links, strict=True)],
+    )
+    out.family(
+        "cluster_coordinator_link_failed",
+        "gauge",
+        "1 once no address of the node answers the coordinator's link.",
+        [(label, float(bool(link.failed))) for label, link in zip(labels, links, strict=True)],
+    )
+    out.family(
+        "cluster_coordinator_link_failovers",
+        "counter",
+        "Moves of a coordinator link to the node's next-best address.",
+        [(label, link.failovers) for label, link in zip(labels, links, strict=True)],
+    )
+    out.family(
+        "cluster_coordinator_link_failbacks",
+        "counter",
+        "Moves of a coordinator link back to its best address.",
+        [(label, link.failbacks) for label, link in zip(labels, links, strict=True)],
+    )
+    reasons = [
+        (label | {"reason": link.last_failover}, 1.0)
+        for label, link in zip(labels, links, strict=True)
+        if link.failovers
+    ]
+    out.family(
+        "cluster_coordinator_link_last_failover_info",
+        "gauge",
+        "Why a coordinator link last moved to another address (1 per link that moved).",
+        reasons,
+    )
 
 
 def _node_labels(node: NodeStatus) -> dict[str, str]:

@@ -21,7 +21,12 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
 from cluster.decode.prefix_index import PrefixIndex
-from cluster.decode.remote_pipeline import PipelineSettings, RemotePipeline, load_pipeline
+from cluster.decode.remote_pipeline import (
+    DriverLink,
+    PipelineSettings,
+    RemotePipeline,
+    load_pipeline,
+)
 from cluster.decode.warmup import (
     WarmupHook,
     WarmupProgress,
@@ -46,7 +51,13 @@ from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.api_keys import ApiKeys
 from coordinator.discovery import DiscoveredNode, NodeDirectory
 from coordinator.history import History
-from coordinator.metrics import ClusterStats, HopStatus, NodeStatus, RequestCounters
+from coordinator.metrics import (
+    ClusterStats,
+    CoordinatorLinkStatus,
+    HopStatus,
+    NodeStatus,
+    RequestCounters,
+)
 from coordinator.progress import transfer_fraction
 from coordinator.replay import ReplayingEngine
 from coordinator.settings import (
@@ -522,6 +533,10 @@ class Coordinator:
             keep_awake_note=info.keep_awake_note,
         )
 
+    def coordinator_links(self) -> list[CoordinatorLinkStatus]:
+        """The current pipeline's links from and to this coordinator, head first."""
+        return coordinator_link_statuses(self.pipeline)
+
     def stats(self) -> ClusterStats:
         engine = self.engine
         drafted = engine.drafted if engine else 0
@@ -625,4 +640,39 @@ def hop_status(hop: pb.HopLink) -> HopStatus:
         last_failover=hop.last_failover,
         degraded=hop.degraded,
         best_address=hop.best_address,
+    )
+
+
+def coordinator_link_statuses(pipeline: RemotePipeline | None) -> list[CoordinatorLinkStatus]:
+    """`pipeline`'s links from and to its driver as the status shows them: the step stream
+    to the head, then each node's results stream and control calls."""
+    if pipeline is None:
+        return []
+    return [coordinator_link_status(link) for link in pipeline.driver_links()]
+
+
+def coordinator_link_status(link: DriverLink) -> CoordinatorLinkStatus:
+    """One driver link as the status shows it; a stream on the node's gRPC channel (no
+    failover state) at the node's given address."""
+    client, state = link.client, link.state
+    transport = "tcp" if state is not None and link.role != "control" else "grpc"
+    if state is None:
+        return CoordinatorLinkStatus(
+            link.role, client.node_id, client.address, transport, client.address
+        )
+    current, best = state.current, state.routes[0]
+    return CoordinatorLinkStatus(
+        link.role,
+        client.node_id,
+        client.address,
+        transport,
+        current.address,
+        kind=current.kind,
+        interface=current.interface,
+        best_address=best.address,
+        degraded=state.degraded,
+        failovers=state.failovers,
+        failbacks=state.failbacks,
+        last_failover=state.last_reason,
+        failed=state.failed,
     )

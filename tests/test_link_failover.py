@@ -10,26 +10,43 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from click.testing import CliRunner
 
 from benchmarks.link_failover import FAST, SLOW, Relay
+from cluster.commands.status import status_command
+from cluster.decode import remote_pipeline
+from cluster.decode.remote_pipeline import RemotePipeline
 from cluster.transport import failover
 from cluster.transport.auth import TokenInterceptor
 from cluster.transport.failover import ResultsStreamLink, Route, StepStreamLink
+from cluster.transport.hop_choice import HopChoice
+from cluster.transport.node_client import NodeClient, NodeUnavailable
 from cluster.transport.step_link import StepListener, StepSender
 from cluster.transport.wire import results_to_proto
+from coordinator.metrics import (
+    ClusterStats,
+    CoordinatorLinkStatus,
+    RequestCounters,
+    cluster_json,
+    render_prometheus,
+)
+from coordinator.service import coordinator_link_statuses
 from node.stage import Subscribers
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from tests import hostlab
+from tests.fakes import FakeClusterView, FakeEngine, serve
 
 TOKEN = "failover-test-token"
 NODE_ID = "successor"
@@ -221,6 +238,298 @@ def test_a_plain_step_stream_still_opens():
     asyncio.run(main())
 
 
+# -- the coordinator's own links: its control calls, and its links in the status --------------
+
+HEARTBEAT_TIMEOUT_S = 3.0  # generous: a loaded machine must not fail over by itself
+NODE_LINKS = [
+    pb.NodeLink(address=FAST, interface="tb0", kind="thunderbolt"),
+    pb.NodeLink(address=SLOW, interface="en0", kind="ethernet"),
+]
+
+
+class ControlNode(Pinged):
+    """A node's control RPCs: Info, naming its two addresses (counted), and LinkPing."""
+
+    def __init__(self) -> None:
+        self.infos = 0
+
+    async def Info(self, request, context):
+        self.infos += 1
+        return pb.NodeInfo(node_id=NODE_ID, links=NODE_LINKS)
+
+
+async def node_server(node: ControlNode, host: str, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(interceptors=[TokenInterceptor(TOKEN)])
+    pb_grpc.add_NodeServicer_to_server(node, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def test_the_heartbeat_keeps_a_node_whose_fast_address_goes_silent(quick_failback):
+    """The node's calls move to its next address while the first holds every byte (an
+    interface gone down under an open channel), back once it answers again, and the node
+    fails only when no address answers, the error naming each."""
+
+    async def main():
+        node = ControlNode()
+        server, port = await node_server(node, SLOW)
+        relay = Relay(port)  # FAST:port, the fast path, to the node at SLOW:port
+        await relay.start()
+        client = NodeClient(f"{FAST}:{port}", TOKEN)
+        pipeline = RemotePipeline(
+            [client], max_context=64, heartbeat_s=0.05, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S
+        )
+        heartbeat = None
+        try:
+            await client.info()
+            assert [route.host for route in client.link.routes] == [FAST, SLOW]
+            heartbeat = asyncio.create_task(pipeline._heartbeat(client))
+            await wait_for(lambda: node.infos >= 3, "heartbeats over the fast address")
+
+            relay.cut = True
+            await wait_for(lambda: client.link.current.host == SLOW, "the calls to move")
+            answered = node.infos
+            await wait_for(lambda: node.infos >= answered + 3, "heartbeats over the slow address")
+            assert pipeline.failure is None and not heartbeat.done()
+            link = client.link
+            assert (link.failovers, link.degraded, link.failed) == (1, True, "")
+            assert f"{FAST}:{port} (thunderbolt, tb0)" in link.last_reason
+
+            relay.cut = False  # answers again: the calls move back
+            await wait_for(lambda: not client.link.degraded, "the move back")
+            assert (client.link.failbacks, client.link.current.host) == (1, FAST)
+            answered = node.infos
+            await wait_for(lambda: node.infos >= answered + 3, "heartbeats after the move back")
+            assert pipeline.failure is None
+
+            await server.stop(None)  # the node is gone: no address answers
+            await wait_for(lambda: heartbeat.done(), "the heartbeat to fail the node")
+            error = str(pipeline.failure)
+            assert isinstance(pipeline.failure, NodeUnavailable), error
+            assert "no address of node successor" in error, error
+            assert f"{FAST}:{port} (thunderbolt, tb0)" in error, error
+            assert f"{SLOW}:{port} (ethernet, en0): no answer to a LinkPing" in error, error
+            assert client.link.failed
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            await pipeline.close()  # closes the client
+            await relay.close()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_call_to_an_address_that_refuses_goes_over_the_next_and_rollback_is_not_resent():
+    async def main():
+        node = ControlNode()
+        server, port = await node_server(node, SLOW)
+        given = f"{FAST}:{port}"  # nothing listens there: refused
+        client, rolling = NodeClient(given, TOKEN), NodeClient(given, TOKEN)
+        try:
+            with pytest.raises(NodeUnavailable, match=f"node {given} is unreachable: {given}"):
+                await client.info()  # the only address it knows yet
+            client.use_links(NODE_LINKS)
+            info = await client.info()
+            assert info.node_id == NODE_ID
+            assert (client.link.current.host, client.link.failovers) == (SLOW, 1)
+            assert client.describe() == f"{NODE_ID} ({given})"  # its name stays
+
+            # A call the node may have acted on is not sent again over another address.
+            rolling.use_links(NODE_LINKS)
+            with pytest.raises(NodeUnavailable, match=r"did not answer Rollback .* not sent again"):
+                await rolling.rollback("r", 1)
+            assert rolling.link.current.host == SLOW  # later calls go over the next
+            await rolling.info()
+        finally:
+            await client.close()
+            await rolling.close()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+@dataclass
+class PipelineView:
+    """The coordinator's view of a pipeline that has no nodes to show but its links."""
+
+    pipeline: RemotePipeline
+
+    def node_statuses(self) -> list:
+        return []
+
+    def stats(self) -> ClusterStats:
+        return ClusterStats(0.0, 0.0, 0, 0, 0, "model")
+
+    def coordinator_links(self) -> list[CoordinatorLinkStatus]:
+        return coordinator_link_statuses(self.pipeline)
+
+
+@dataclass(slots=True)
+class LinkedClusterView(FakeClusterView):
+    """The fake cluster, with links of the coordinator's to show."""
+
+    links: list[CoordinatorLinkStatus] = field(default_factory=list)
+
+    def coordinator_links(self) -> list[CoordinatorLinkStatus]:
+        return list(self.links)
+
+
+def test_the_coordinator_links_show_their_failovers_in_the_status_and_metrics(
+    quick_failback, monkeypatch
+):
+    """The driver's steps to the head, the head's results back and its control calls all
+    move when the head's fast address goes silent; /api/cluster, /metrics and `cluster
+    status` show where each runs, flagged degraded, with its failover and why."""
+
+    async def measured(address, links, node_id, token, tls):  # as over two networks
+        _, port = address.rsplit(":", 1)
+        tried = ((f"{FAST}:{port}", 0.1), (f"{SLOW}:{port}", 0.4))
+        return HopChoice(f"{FAST}:{port}", "thunderbolt", "tb0", 0.1, True, tried)
+
+    monkeypatch.setattr(remote_pipeline, "choose_hop", measured)
+
+    async def main() -> tuple[list[CoordinatorLinkStatus], str]:
+        node = ControlNode()
+        server, grpc_port = await node_server(node, SLOW)
+        subscribers = Subscribers()
+        listener = StepListener(
+            TOKEN, lambda message: None, subscribers.add_link, subscribers.resume_link
+        )
+        step_port = await listener.start(SLOW)
+        relays = [Relay(grpc_port), Relay(step_port)]  # the fast network, both ports
+        for relay in relays:
+            await relay.start()
+        client = NodeClient(f"{FAST}:{grpc_port}", TOKEN)
+        await client.info()
+        pipeline = RemotePipeline(
+            [client],
+            max_context=64,
+            heartbeat_s=0.05,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+            step_ports=[step_port],
+            node_links=[NODE_LINKS],
+        )
+        view = PipelineView(pipeline)
+        try:
+            await pipeline.start()
+            assert pipeline.transports == {"steps": "tcp", "results": ["tcp"]}
+            before = cluster_json(view)["coordinator_links"]
+            assert [(link["role"], link["address"], link["degraded"]) for link in before] == [
+                ("steps", f"{FAST}:{grpc_port}", False),
+                ("results", f"{FAST}:{grpc_port}", False),
+                ("control", f"{FAST}:{grpc_port}", False),
+            ]
+
+            for relay in relays:  # the head's fast interface goes down
+                relay.cut = True
+            await wait_for(
+                lambda: all(link.address.startswith(SLOW) for link in view.coordinator_links()),
+                "every coordinator link to move to the slow address",
+            )
+            assert pipeline.failure is None  # nothing failed, nothing to re-place
+            document = cluster_json(view)
+            for link in document["coordinator_links"]:
+                assert link["node_id"] == NODE_ID and link["node_address"] == client.address
+                assert (link["kind"], link["degraded"], link["failovers"]) == ("ethernet", True, 1)
+                assert link["best_address"] == f"{FAST}:{grpc_port}"
+                assert FAST in link["last_failover"], link
+            transports = [link["transport"] for link in document["coordinator_links"]]
+            assert transports == ["tcp", "tcp", "grpc"]
+            moved = view.coordinator_links()
+            metrics = render_prometheus(
+                view, RequestCounters(), requests_queued=0, requests_running=0
+            )
+
+            for relay in relays:  # back up, and idle: every link moves back
+                relay.cut = False
+            await wait_for(
+                lambda: not any(link.degraded for link in view.coordinator_links()),
+                "every coordinator link to move back",
+            )
+            assert [link.failbacks for link in view.coordinator_links()] == [1, 1, 1]
+            assert pipeline.failure is None
+            return moved, metrics
+        finally:
+            await pipeline.close()
+            for relay in relays:
+                await relay.close()
+            await listener.close()
+            await server.stop(None)
+
+    moved, metrics = asyncio.run(main())
+    for role in ("steps", "results", "control"):
+        labels = f'role="{role}",node="{NODE_ID}"'
+        assert f"cluster_coordinator_link_failovers_total{{{labels}}} 1" in metrics, metrics
+        assert f"cluster_coordinator_link_degraded{{{labels}}} 1" in metrics, metrics
+        assert f"cluster_coordinator_link_failed{{{labels}}} 0" in metrics, metrics
+        assert f"cluster_coordinator_link_last_failover_info{{{labels},reason=" in metrics
+    slow = moved[0].address
+    assert (
+        f'cluster_coordinator_link{{role="steps",node="{NODE_ID}",address="{slow}",'
+        'kind="ethernet",transport="tcp"} 1' in metrics
+    ), metrics
+
+    # `cluster status`, human and --json, over the coordinator's HTTP API.
+    with serve(FakeEngine.saying("hi"), view=LinkedClusterView(links=moved)) as served:
+        shown = CliRunner().invoke(status_command, ["--url", served.url])
+        as_json = CliRunner().invoke(status_command, ["--url", served.url, "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert "coordinator links" in shown.output
+    lines = [line for line in shown.output.splitlines() if f"{NODE_ID} " in line]
+    assert len(lines) == 3 and all("DEGRADED (best: " in line for line in lines), shown.output
+    assert all("failovers 1, last: " in line for line in lines), shown.output
+    assert json.loads(as_json.output)["coordinator_links"][0]["failovers"] == 1
+
+
+def test_the_dashboard_flags_a_degraded_coordinator_link():
+    """Each coordinator link is drawn on its node's card as a hop is, flagged while off its
+    best address, and the health pill says how many links are degraded."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS, POLL_DEADLINE_MS
+
+    if not shutil.which(CHROMIUM):
+        pytest.skip("apt-get install -y chromium")
+    view = LinkedClusterView()
+    head = view.nodes[0]
+    view.links = [
+        CoordinatorLinkStatus(
+            "steps", head.node_id, head.address, "tcp", "192.168.1.10:50051", "wifi", "en0",
+            best_address="10.0.0.10:50051", degraded=True, failovers=1,
+            last_failover="no answer over 10.0.0.10 (thunderbolt) for 1.5 s",
+        ),
+        CoordinatorLinkStatus(
+            "results", head.node_id, head.address, "tcp", "10.0.0.10:50051", "thunderbolt",
+            best_address="10.0.0.10:50051",
+        ),
+    ]  # fmt: skip
+    with (
+        serve(FakeEngine.saying("hi"), view=view) as served,
+        sync_api.sync_playwright() as pw,
+    ):
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"{served.url}/")
+            card = page.locator(".node").nth(0)
+            expect = sync_api.expect
+            steps = card.locator("dd.degraded")
+            expect(steps).to_have_count(1, timeout=POLL_DEADLINE_MS)
+            expect(steps).to_contain_text("192.168.1.10:50051 · wifi")
+            expect(steps).to_contain_text("degraded (best 10.0.0.10:50051) · 1 failover")
+            expect(steps).to_have_attribute("title", re.compile("no answer over 10.0.0.10"))
+            expect(card).to_contain_text("From coordinator")
+            expect(card).to_contain_text("To coordinator")
+            expect(page.locator(".node").nth(1)).not_to_contain_text("From coordinator")
+            expect(page.locator("#health")).to_have_text("healthy · 1 link degraded")
+            assert errors == [], errors
+        finally:
+            browser.close()
+
+
 # -- the hosts lab: whole clusters over two networks ------------------------------------------
 
 LAB_MISSING = hostlab.available()
@@ -298,9 +607,9 @@ def run_streams(lab: FailoverLab, started: threading.Barrier | None = None) -> l
     return texts
 
 
-def pipeline(lab: FailoverLab) -> list[tuple[hostlab.Host, int]]:
-    """The lab's hosts in pipeline order (head first), each with its node's port."""
-    status = json.loads(
+def cluster_status(lab: FailoverLab) -> dict:
+    """`cluster status --json` of the lab's coordinator."""
+    return json.loads(
         subprocess.run(
             [sys.executable, "-m", "cluster", "status", "--url", lab.up.url, "--json"],
             capture_output=True,
@@ -308,6 +617,11 @@ def pipeline(lab: FailoverLab) -> list[tuple[hostlab.Host, int]]:
             timeout=30,
         ).stdout
     )
+
+
+def pipeline(lab: FailoverLab) -> list[tuple[hostlab.Host, int]]:
+    """The lab's hosts in pipeline order (head first), each with its node's port."""
+    status = cluster_status(lab)
     order = []
     for node in status["nodes"]:
         host, port = node["address"].rsplit(":", 1)
@@ -429,11 +743,20 @@ def test_the_coordinator_link_to_the_head_fails_over_and_back(failover_lab):
     assert [info.shard_loads for info in node_infos(lab)] == loads
     text = log.read_text()
     assert f"moved from {head.fast_address}" in text, text[-5000:]
+    # The status shows it: off its best address (the head's fast one), and why it moved.
+    steps = cluster_status(lab)["coordinator_links"][0]
+    assert steps["role"] == "steps" and steps["address"].startswith(head.slow_address), steps
+    assert steps["degraded"] and steps["failovers"] >= 1 and steps["last_failover"], steps
 
     lab.lab.set_link(head, "fast0", up=True)
     poll(
         lambda: f"moved back to {head.fast_address}" in log.read_text(),
         "the coordinator's link to move back",
+        60.0,
+    )
+    poll(
+        lambda: not cluster_status(lab)["coordinator_links"][0]["degraded"],
+        "the status to show the coordinator's link back on its best address",
         60.0,
     )
     assert run_streams(lab) == lab.references

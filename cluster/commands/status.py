@@ -62,6 +62,10 @@ def status_command(url: str, api_key: str | None, as_json: bool) -> None:
             + ("  -> measuring" if node.get("hop_state") == "measuring" else "")
         )
     nodes = data.get("nodes", [])
+    if links := data.get("coordinator_links"):
+        click.echo("coordinator links")
+        for link in links:
+            click.echo(f"  {_describe_coordinator_link(link)}")
     awake = [n["node_id"] for n in nodes if n.get("keeps_awake")]
     asleep = [f"{n['node_id']} ({n.get('keep_awake_note') or '?'})" for n in nodes
               if not n.get("keeps_awake")]  # fmt: skip
@@ -80,4 +84,24 @@ def _describe_hop(hop: dict) -> str:
         line += f"  DEGRADED (best: {hop.get('best_address') or '?'})"
     if failovers := hop.get("failovers"):
         line += f"  failovers {failovers}, last: {hop.get('last_failover') or '?'}"
+    return line
+
+
+# How each role's link runs, seen from the coordinator.
+_LINK_DIRECTIONS = {"steps": "steps   ->", "results": "results <-", "control": "control ->"}
+
+
+def _describe_coordinator_link(link: dict) -> str:
+    """One of the coordinator's links to a node, as a hop is shown: where it runs now, over
+    what, and, when it failed over, flagged while off its best address with its moves and
+    why; FAILED once no address of the node answers."""
+    direction = _LINK_DIRECTIONS.get(link["role"], link["role"])
+    how = ", ".join(filter(None, (link.get("kind") or "unknown link", link.get("transport"))))
+    line = f"{direction} {link['node_id']:<22} {link['address']} ({how})"
+    if link.get("failed"):
+        line += f"  FAILED: {link['failed']}"
+    elif link.get("degraded"):
+        line += f"  DEGRADED (best: {link.get('best_address') or '?'})"
+    if failovers := link.get("failovers"):
+        line += f"  failovers {failovers}, last: {link.get('last_failover') or '?'}"
     return line

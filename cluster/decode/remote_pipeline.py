@@ -55,6 +55,18 @@ log = logging.getLogger(__name__)
 Link = TypeVar("Link")
 
 
+@dataclass(frozen=True, slots=True)
+class DriverLink:
+    """One of a driver's links to a node: `role` "steps" (its step stream to the head),
+    "results" (the node's results back to it) or "control" (its heartbeat and other unary
+    calls); `state` None where a stream rides the node's gRPC channel (TLS, or no step port),
+    which stays on the node's given address."""
+
+    role: str
+    client: NodeClient
+    state: LinkState | None
+
+
 class RemotePipeline:
     """`cluster.decode.pipeline.Pipeline` over node daemons (head first, tail last).
 
@@ -119,6 +131,16 @@ class RemotePipeline:
         links = [self._head_link, *self._results_links]
         return [link.state for link in links if link is not None]
 
+    def driver_links(self) -> list[DriverLink]:
+        """Every link of the driver's to the nodes, for the status: the steps to the head,
+        then per node its results and its control calls, in pipeline order."""
+        head = self.clients[0]
+        links = [DriverLink("steps", head, self._head_link.state if self._head_link else None)]
+        for client, results in itertools.zip_longest(self.clients, self._results_links):
+            links.append(DriverLink("results", client, results.state if results else None))
+            links.append(DriverLink("control", client, client.link))
+        return links
+
     async def start(self) -> None:
         head = self.clients[0]
         self._head_link = await self._open_link(
@@ -172,6 +194,7 @@ class RemotePipeline:
         if links:
             choice = await choose_hop(client.address, links, client.node_id, client.token, None)
             routes = routes_of(choice, links)
+            client.order_routes(routes)  # its control calls fail over in the same order
         try:
             return await open_link(
                 f"{name}{client.describe()}", routes, client.node_id, client.token, None, port
@@ -356,19 +379,23 @@ class RemotePipeline:
         self.fail(NodeUnavailable(f"node {client.describe()} {why}"))
 
     async def _heartbeat(self, client: NodeClient) -> None:
+        """Fail the pipeline once the node answers on none of its addresses: the client
+        moves its calls to the next address that answers when one stops (`NodeClient`)."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
                 await client.info(timeout=self.heartbeat_timeout_s)
             except (NodeUnavailable, grpc.aio.AioRpcError) as error:
-                # Which link: the driver's control link to that address, which other nodes'
-                # links to the node do not share (a partition, or the node is gone).
-                self._fail_all(
+                # Which link: the driver's control link to the node, which other nodes' links
+                # to it do not share (a partition, or the node is gone); the error names each
+                # address tried and why it failed.
+                self.fail(
                     NodeUnavailable(
                         f"node {client.describe()} stopped answering on the coordinator's "
-                        f"link to {client.address}: {error}"
+                        f"link to {client.link.current.host}: {error}"
                     )
                 )
+                return
 
     def _resolve(
         self, request_id: str, *, result: StepResult | None = None, error: Exception | None = None

@@ -81,9 +81,16 @@ class TLSConfig:
         return grpc.ssl_server_credentials([(self.key, self.cert)])
 
 
-def open_channel(address: str, tls: TLSConfig | None) -> grpc.aio.Channel:
-    """A channel to a node: TLS when the cluster uses it, plain otherwise."""
+def open_channel(
+    address: str, tls: TLSConfig | None, *, own_connection: bool = False
+) -> grpc.aio.Channel:
+    """A channel to a node: TLS when the cluster uses it, plain otherwise. `own_connection`:
+    never over a connection that another channel to the address holds (gRPC shares them),
+    which a lost path may have left stuck: what it reaches, it reaches now."""
+    options = grpc_channel_options()
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=grpc_channel_options())
+        return grpc.aio.insecure_channel(address, options=options)
     credentials = grpc.ssl_channel_credentials(root_certificates=tls.cert)
-    return grpc.aio.secure_channel(address, credentials, options=grpc_channel_options())
+    return grpc.aio.secure_channel(address, credentials, options=options)

@@ -124,8 +124,9 @@ def new_stream_id() -> bytes:
 
 
 async def answers(route: Route, node_id: str, token: str, tls: TLSConfig | None) -> bool:
-    """Whether the node `node_id` answers a LinkPing at `route` within PING_TIMEOUT_S."""
-    channel = open_channel(route.address, tls)
+    """Whether the node `node_id` answers a LinkPing at `route` within PING_TIMEOUT_S, over
+    a connection of its own: one that a lost path left stuck would say no after it healed."""
+    channel = open_channel(route.address, tls, own_connection=True)
     try:
         reply = await pb_grpc.NodeStub(channel).LinkPing(
             pb.LinkPingRequest(), timeout=PING_TIMEOUT_S, metadata=token_metadata(token)

@@ -35,7 +35,24 @@ function meter(label, used, total, color) {
 
 const STEP_PHASES = ["layers", "handoff", "decode", "encode", "send", "queued"];
 
-function nodeCard(node, index) {
+// The coordinator's own links to a node (/api/cluster "coordinator_links"), drawn as a hop is.
+const LINK_LABELS = { steps: "From coordinator", results: "To coordinator", control: "Control" };
+
+function coordinatorLinkRow(link) {
+  const off = link.degraded || link.failed;
+  const via = link.transport === "grpc" ? " · gRPC" : "";
+  const dd = el("dd", off ? "mono degraded" : "mono", `${link.address} · ${link.kind || "?"}${via}`);
+  if (link.failed) dd.append(" · no address answers");
+  else if (link.degraded) dd.append(` · degraded (best ${link.best_address || "?"})`);
+  if (link.failovers) {
+    dd.append(` · ${link.failovers} failover${link.failovers === 1 ? "" : "s"}`);
+    dd.title = `last: ${link.last_failover || "?"}`;
+  }
+  if (link.failed) dd.title = link.failed;
+  return [LINK_LABELS[link.role] || link.role, dd];
+}
+
+function nodeCard(node, index, links) {
   const card = el("article", "node" + (node.up ? "" : " node-down"));
   card.dataset.nodeId = node.node_id;
   card.style.setProperty("--stage-color", stageColor(index));
@@ -97,6 +114,7 @@ function nodeCard(node, index) {
   } else if (node.hop_state === "measuring") {
     rows.push(["Next hop", el("dd", "mono", "measuring")]);
   }
+  for (const link of links) rows.push(coordinatorLinkRow(link));
   // Whether the node holds its Mac awake while serving (a power assertion), or why not.
   const awake = node.keeps_awake
     ? el("dd", "awake", "yes")
@@ -124,7 +142,7 @@ function drawLayerMap(nodes) {
   });
 }
 
-function drawNodes(nodes) {
+function drawNodes(nodes, links) {
   const box = $("nodes");
   box.replaceChildren();
   if (!nodes.length) {
@@ -133,7 +151,7 @@ function drawNodes(nodes) {
   }
   nodes.forEach((node, index) => {
     if (index > 0) box.append(el("div", "arrow", "→"));
-    box.append(nodeCard(node, index));
+    box.append(nodeCard(node, index, links.filter((link) => link.node_address === node.address)));
   });
 }
 
@@ -169,14 +187,19 @@ function drawHealth(text, cls) {
 function draw(data) {
   drawStats(data);
   drawLayerMap(data.nodes);
-  drawNodes(data.nodes);
+  const links = data.coordinator_links || [];
+  drawNodes(data.nodes, links);
   const down = data.nodes.filter((n) => !n.up).length;
+  // Links running over a slower address than their best: served, but flagged.
+  const slow = data.nodes.filter((n) => n.hop && n.hop.degraded).length
+    + links.filter((link) => link.degraded || link.failed).length;
   if (!data.nodes.length) drawHealth("no nodes", "pill-bad");
   else if (down) drawHealth(`degraded · ${down} down`, "pill-bad");
   else if (data.warmup && data.warmup.state === "warming") {
     // Not ready yet: every node runs each shape it will serve ("warming 3/12").
     drawHealth(`warming ${data.warmup.done + 1}/${data.warmup.total}`, "pill-bad");
-  } else drawHealth("healthy", "pill-ok");
+  } else if (slow) drawHealth(`healthy · ${slow} link${slow === 1 ? "" : "s"} degraded`, "pill-warn");
+  else drawHealth("healthy", "pill-ok");
   $("health").title = data.warmup ? data.warmup.line : "";
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
