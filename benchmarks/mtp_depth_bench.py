@@ -69,6 +69,7 @@ from benchmarks.common import (
 from benchmarks.stepping import LMForward, SteppedRequests, bare_runner, interleaved
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
+from cluster.decode.mtp_depth import AUTO_MAX_DEPTH
 from cluster.decode.runner import ShardRunner, mtp_lookahead_default
 from cluster.messages import RequestOptions, SamplingParams
 
@@ -425,8 +426,11 @@ async def oracle_table(
     table: dict = {}
     local = await open_local_engine(model_dir, mtp=True)
     try:
-        for variant in ORACLE_VARIANTS:  # warm-up: compile and allocate
-            await _decode(local.engine, prompt, variant, 8, GREEDY)
+        # Warm-up: every shape a variant may step in, `auto`'s deepest included, built once
+        # and timed a few times (what `auto` reads), as a server's warm-up does.
+        for depth in range(1, AUTO_MAX_DEPTH + 1):
+            await _decode(local.engine, prompt, str(depth), 16, GREEDY)
+        await _decode(local.engine, prompt, "off", 16, GREEDY)
         for rate in rates:
             previous = install_oracle(rate, seed=int(rate * 100))
             try:

@@ -30,6 +30,12 @@ depth changes costs neither depth's price), so a probe is a short run of steps:
 A request's estimates start from the node's running acceptance over all its requests (an
 optimistic constant before any verdict). Verdicts fade by `DECAY` each: the estimate follows
 the request's text within a few tens of steps (see `DECAY`).
+
+A request leaves its depth only for one expected to be `SWITCH_MARGIN` faster. Where depths
+are close (on a GPU at an acceptance near 0.5 every depth is within a few percent of the
+others) the estimates' noise would otherwise flip the depth every few steps, and a change is
+not free: the step after it cannot be built ahead, and a depth not drafted at for a while
+has no fresh cost at the request's context.
 """
 
 from __future__ import annotations
@@ -62,6 +68,10 @@ PLAIN_PROBE_STEPS = 3  # the first carries the last verdict, the last feeds the 
 # acceptance near 0 (whose estimate never quite reaches 0 under the prior) from drafting on
 # costs that read as equal.
 MIN_ROW_COST = 0.05
+# A depth is left for another only when that one is expected to be this much faster: what
+# `auto` may lose against the best fixed depth by staying, and far less than a change costs
+# when the estimates' noise flips it.
+SWITCH_MARGIN = 0.03
 
 
 @dataclass(slots=True)
@@ -111,14 +121,18 @@ def best_depth(
     max_depth: int = AUTO_MAX_DEPTH,
     prior: Acceptance | None = None,
     context: int = 0,
+    current: int | None = None,
 ) -> int:
     """The depth with the most expected tokens per second for a batch where `others`
     positions belong to other requests, at `context` positions (the batch's longest), among
-    the depths whose cost the node can tell; 0 while it cannot tell a plain step's."""
+    the depths whose cost the node can tell; 0 while it cannot tell a plain step's. With
+    `current`, the request's depth now, that depth is kept unless the best is expected to be
+    `SWITCH_MARGIN` faster (of the request's share of the batch)."""
     plain = cost.seconds(others + 1, context)
     if plain is None:
         return 0
-    best, best_rate, floor = 0, (others + 1) / max(plain, 1e-9), plain
+    rates = {0: (others + 1) / max(plain, 1e-9)}
+    floor = plain
     row_floor = plain * MIN_ROW_COST / (others + 1)  # of what a row of this batch costs
     for depth in range(1, max_depth + 1):
         seconds = cost.seconds(others + 1 + depth, context)
@@ -126,9 +140,14 @@ def best_depth(
             break  # a count never timed anywhere: a probe times it
         # More positions always cost more (what says otherwise is noise).
         seconds = floor = max(seconds, floor + row_floor)
-        rate = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
-        if rate > best_rate:
-            best, best_rate = depth, rate
+        rates[depth] = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
+    best = max(rates, key=lambda depth: (rates[depth], -depth))  # the shallower on a tie
+    if current in rates:
+        # The margin is of this request's share of the batch: in a batch of many positions
+        # one request's depth moves the batch's rate by about its share, not by 3 %.
+        share = (1 + current) / (others + 1 + current)
+        if rates[best] <= rates[current] * (1 + SWITCH_MARGIN * share):
+            return current
     return best
 
 
@@ -149,6 +168,7 @@ class DepthPolicy:
     _plain_next: bool = False  # the next periodic probe of a drafting request: plain steps
     _warmed: bool = False  # the count the node could not cost was probed once
     _hold: int = 0  # plain steps still to take before drafting again (`HOLD_PLAIN`)
+    _chosen: int | None = None  # the last depth chosen on the estimates (not a probe's)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -162,7 +182,10 @@ class DepthPolicy:
         if self.mode != "auto":
             return self.mode
         self.steps += 1
-        depth = best_depth(self.acceptance, cost, others, prior=self.node, context=context)
+        depth = best_depth(
+            self.acceptance, cost, others, prior=self.node, context=context, current=self._chosen
+        )
+        self._chosen = depth
         if self._hold:
             self._hold -= 1
             depth = 0
