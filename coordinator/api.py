@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from cluster.decode.engine import GenerationRequest
+from cluster.decode.mtp_depth import served_depth
 from cluster.decode.token_mask import TokenConstraint
 from cluster.messages import MtpDepth, RequestError, RequestOptions
 from cluster.model.loading import NO_MTP_HEAD
@@ -67,7 +68,7 @@ class ServedModel:
     one, a checkpoint whose `mtp.*` were dropped, no request drafts)."""
 
     model_id: str
-    mtp_depth: MtpDepth = 1
+    mtp_depth: MtpDepth = "auto"
     mtp_head: bool = True
 
 
@@ -298,7 +299,7 @@ class _Api:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
                 code="context_length_exceeded",
             )
-        depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
+        depth = self._depth(params)
         if not self._mtp_head:  # asked or not, nothing to draft with: no drafts, no MTP steps
             depth = 0
         options = RequestOptions(
@@ -356,8 +357,13 @@ class _Api:
     def _mtp_asked(self, params: CommonParams) -> bool:
         """Whether the request asked for MTP drafts (on, at its own depth or the server's
         above 0): its usage then reports them, 0 where none came (a model without a head)."""
-        depth = self._mtp_depth if params.mtp_depth is None else params.mtp_depth
-        return params.mtp and depth != 0
+        return params.mtp and self._depth(params) != 0
+
+    def _depth(self, params: CommonParams) -> MtpDepth:
+        """The request's MTP depth: its own, else the server's for its sampling."""
+        if params.mtp_depth is not None:
+            return params.mtp_depth
+        return served_depth(self._mtp_depth, params.sampling)
 
     async def _send_whole(
         self,

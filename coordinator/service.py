@@ -278,13 +278,12 @@ class Coordinator:
     def _pipeline_settings(self, plan: PlacementPlan) -> PipelineSettings:
         settings = self.settings
         fetch = self.weights.load_args() if self.weights is not None else {}
-        # The conversation cache's budget the plan reserved. PipelineSettings gives every node
-        # one budget, so each gets the largest stage's. Every node holds snapshots of the same
-        # positions and an eviction anywhere drops a prefix everywhere, so a node with fewer
-        # attention layers fills its share at about the pace the largest does; it can hold
-        # more than planned only where its layers are mostly GatedDeltaNet and the snapshots
-        # short, by at most the difference of the two budgets.
-        snapshots = max(stage.snapshot_bytes for stage in plan.stages)
+        # Each node's conversation cache gets the budget the plan reserved on it: what its own
+        # layers' snapshots take, so no node holds more than its memory was planned for. Every
+        # node holds snapshots of the same positions, each sized by its own layers, so the
+        # nodes fill their budgets at the pace of one another; an eviction anywhere drops the
+        # prefix everywhere.
+        snapshots = tuple(stage.snapshot_bytes for stage in plan.stages)
         return PipelineSettings(
             token=settings.token,
             tls=settings.tls,

@@ -103,7 +103,7 @@ class CoordinatorSettings:
     api_keys: ApiKeys | None = None
     max_running: int = 8
     max_queued: int = 64
-    mtp_depth: MtpDepth = 1
+    mtp_depth: MtpDepth = "auto"
     prefix_cache: bool = True
     announce: bool = True
     warmup: bool = True

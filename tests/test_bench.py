@@ -74,13 +74,14 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
             assert request["cached_tokens"] == 0  # no two prompts share a prefix: uncached
         metrics = scenario["metrics"]
         assert metrics["total_output_tokens"] == MAX_TOKENS * asked["requests"]
-        assert (metrics["acceptance_rate"] is not None) == asked["mtp"]
-        # The depth the tail chose per step (the server's default), from its counters.
+        # The depth the tail chose per step (the server's default, `auto`), from its counters.
+        # No acceptance only where it stepped plainly (on a busy CPU it may never draft).
         depth, plain = metrics["auto_depth_mean"], metrics["auto_depth0_share"]
         if asked["mtp"]:
             assert 0 <= depth <= MAX_MTP_DEPTH and 0 <= plain <= 1, (depth, plain)
+            assert metrics["acceptance_rate"] is not None or plain > 0, metrics
         else:
-            assert depth is None and plain is None
+            assert depth is None and plain is None and metrics["acceptance_rate"] is None
         assert [n["node_id"] for n in scenario["nodes"]] == [h["node_id"] for h in run["hardware"]]
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
         assert all(n["hop_rtt_ms"] > 0 for n in scenario["nodes"])  # pings and heartbeats

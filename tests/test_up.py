@@ -230,15 +230,16 @@ def test_status_lists_every_node_with_its_layers(up: Up):
         timeout=30,
         check=True,
     )
-    # The summary line, the table's header, a row per node, then which nodes keep their Mac
-    # awake (one line, not a row).
+    # The summary line, the table's header, a row per node, then the coordinator's own links
+    # (a block of their own) and which nodes keep their Mac awake (one line, not a row).
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("node "))
-    rows = {
-        line.split()[0]: line
-        for line in lines[header + 1 :]
-        if not line.startswith("keeping their Mac awake")
-    }
+    table_end = next(
+        i
+        for i, line in enumerate(lines)
+        if line == "coordinator links" or line.startswith("keeping their Mac awake")
+    )
+    rows = {line.split()[0]: line for line in lines[header + 1 : table_end]}
     assert len(rows) == 3, result.stdout
     assert lines[-1].startswith("keeping their Mac awake: none; not: "), result.stdout
     for node in nodes:

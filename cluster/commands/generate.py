@@ -29,7 +29,10 @@ from cluster.commands.options import (
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--no-mtp", is_flag=True, help="Decode without the MTP head.")
-@mtp_depth_option("MTP drafts per step: 0-8, or auto (the tail picks the depth that pays).")
+@mtp_depth_option(
+    "MTP drafts per step: 0-8, or auto (the tail drafts where it pays) [default: auto; 1 with "
+    "--seed and a temperature, so that the same seed gives the same tokens]."
+)
 @layers_option("Layer ranges per shard, e.g. 0:3,3:8.")
 @click.option("--nodes", default=None, help="Run on node daemons: HOST:PORT,HOST:PORT,...")
 @token_option("Cluster secret (--nodes).")
@@ -53,7 +56,7 @@ def generate_command(
     min_p: float,
     seed: int | None,
     no_mtp: bool,
-    mtp_depth: int | str,
+    mtp_depth: int | str | None,
     layers: list[tuple[int, int]] | None,
     nodes: str | None,
     token: str | None,
@@ -62,21 +65,21 @@ def generate_command(
     as_json: bool,
 ) -> None:
     """Generate text for one prompt, in this process or across node daemons."""
+    from cluster.decode.mtp_depth import served_depth
     from cluster.generate import Shards, run_generate
     from cluster.messages import RequestError, RequestOptions, SamplingParams
     from cluster.model.loading import NO_MTP_HEAD, has_mtp_head
     from cluster.transport.auth import TLSConfig
 
     try:
+        sampling = SamplingParams(temp, top_p, top_k, min_p, seed)
+        if mtp_depth is None:
+            mtp_depth = served_depth("auto", sampling)
         mtp = not no_mtp
         if mtp and not has_mtp_head(model_dir):  # the tail could not draft: say so, ask none
             click.echo(f"{model_dir.name}: {NO_MTP_HEAD}", err=True)
             mtp, mtp_depth = False, 0
-        options = RequestOptions(
-            sampling=SamplingParams(temp, top_p, top_k, min_p, seed),
-            mtp=mtp,
-            mtp_depth=mtp_depth,
-        )
+        options = RequestOptions(sampling=sampling, mtp=mtp, mtp_depth=mtp_depth)
         shards = Shards(layers)
         if nodes:
             tls = TLSConfig.from_files(tls_cert)

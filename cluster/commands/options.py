@@ -102,10 +102,9 @@ def _mtp_depth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def mtp_depth_option(help: str) -> Callable[[F], F]:
-    """`--mtp-depth 0-8|auto`, default 1, as the parameter `mtp_depth`: a `MtpDepth`."""
-    return click.option(
-        "--mtp-depth", default="1", show_default=True, callback=_mtp_depth, help=help
-    )
+    """`--mtp-depth 0-8|auto` as the parameter `mtp_depth`: a `MtpDepth`, None where not given
+    (`auto`, but for a seeded sampled request: `cluster.decode.mtp_depth.served_depth`)."""
+    return click.option("--mtp-depth", default=None, callback=_mtp_depth, help=help)
 
 
 def _layer_ranges(
@@ -148,8 +147,8 @@ _SERVING_OPTIONS: list[tuple[str, Callable[[F], F]]] = [
         help="Serve beyond loopback without an API key, on purpose (refused otherwise).")),
     ("mtp_depth", click.option(
         "--mtp-depth", default=None, callback=_mtp_depth,
-        help="MTP drafts per step for requests that do not name theirs: 0-8 or auto "
-        "[default: 1].")),
+        help="MTP drafts per step for requests that do not name theirs: 0-8, or auto (the "
+        "tail drafts where it pays) [default: auto].")),
     ("no_prefix_cache", click.option(
         "--no-prefix-cache", is_flag=True, default=None,
         help="Do not keep conversation (prefix) snapshots on the nodes.")),

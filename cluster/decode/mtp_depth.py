@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.decode.step_cost import StepCost
-from cluster.messages import MtpDepth
+from cluster.messages import MtpDepth, SamplingParams
 
 AUTO_MAX_DEPTH = 4  # what `auto` explores; fixed depths may go to MAX_MTP_DEPTH
 PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0  # as if two drafts of each position were judged
@@ -72,6 +72,25 @@ MIN_ROW_COST = 0.05
 # `auto` may lose against the best fixed depth by staying, and far less than a change costs
 # when the estimates' noise flips it.
 SWITCH_MARGIN = 0.03
+
+
+# The depth of a request that asks for reproducible samples (a seed) where `auto` is only the
+# server's default: one draft, as before `auto` was the default.
+REPRODUCIBLE_DEPTH = 1
+
+
+def served_depth(default: MtpDepth, sampling: SamplingParams) -> MtpDepth:
+    """The depth a request that names none is served at: the server's `default`, except that
+    a default of `auto` serves a seeded sampled request at REPRODUCIBLE_DEPTH.
+
+    A seed asks for the same tokens every time. Greedy tokens never depend on the drafts, but
+    sampled ones do: the acceptance rule keeps the output's distribution, not each token, and
+    `auto` picks the depth from the machine's timings and the batch it runs in. At a fixed
+    depth a seeded request's tokens are the same on every run, and after a replay on new
+    nodes. A request that names `auto` itself gets it."""
+    if default == "auto" and not sampling.greedy and sampling.seed is not None:
+        return REPRODUCIBLE_DEPTH
+    return default
 
 
 @dataclass(slots=True)

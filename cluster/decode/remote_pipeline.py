@@ -439,7 +439,8 @@ class PipelineSettings:
     layer range, in pipeline order (None: an even split). `node_model_dir`: the model's path
     on the nodes (None: this machine's path). `dtype`: the weights' dtype on the nodes ("":
     as stored). `cache_budget_bytes` and `prefix_budget_bytes`: the nodes' request-cache and
-    prefix-snapshot budgets (None: each node's own). `model_digest` and `weights_port`: the
+    prefix-snapshot budgets (None: each node's own; a prefix budget is one for every node or
+    one per node, in pipeline order). `model_digest` and `weights_port`: the
     driver's Weights service, from which a node lacking a verified copy of its shard's tensors
     fetches them first. `pinned_addresses`: successors whose given address is streamed to as
     is, without timing the others. `adopt`: keep the shards the nodes already hold when they
@@ -453,7 +454,7 @@ class PipelineSettings:
     node_model_dir: str | None = None
     dtype: str = ""
     cache_budget_bytes: int | None = None
-    prefix_budget_bytes: int | None = None
+    prefix_budget_bytes: int | tuple[int, ...] | None = None
     model_digest: str = ""
     weights_port: int = 0
     pinned_addresses: frozenset[str] = frozenset()
@@ -500,6 +501,11 @@ async def load_pipeline(
     specs = shard_specs(ranges)
     if specs[-1].end != config.num_layers or specs[0].start != 0:
         raise ValueError(f"layer ranges must cover [0, {config.num_layers})")
+    prefix_budgets = s.prefix_budget_bytes
+    if not isinstance(prefix_budgets, tuple):
+        prefix_budgets = (prefix_budgets,) * len(addresses)
+    elif len(prefix_budgets) != len(addresses):
+        raise ValueError(f"{len(prefix_budgets)} prefix budgets for {len(addresses)} nodes")
     clients = [NodeClient(address, s.token, s.tls) for address in addresses]
     groups = len(addresses) if s.micro_batches is None else s.micro_batches
     try:
@@ -526,8 +532,8 @@ async def load_pipeline(
                     request.next_node_links.extend(infos[i + 1].links)
             if s.cache_budget_bytes is not None:
                 request.cache_budget_bytes = s.cache_budget_bytes
-            if s.prefix_budget_bytes is not None:
-                request.prefix_budget_bytes = s.prefix_budget_bytes
+            if prefix_budgets[i] is not None:
+                request.prefix_budget_bytes = prefix_budgets[i]
             requests.append(request)
         held_epochs = {info.epoch for info in infos}
         if s.adopt and len(held_epochs) == 1 and all(map(holds_shard, infos, requests)):
