@@ -30,10 +30,12 @@ from cluster.decode.local_engine import LocalEngine, open_local_engine
 from cluster.decode.mtp_depth import (
     PROBE_EVERY,
     PROBE_STEPS,
+    REPRODUCIBLE_DEPTH,
     SWITCH_MARGIN,
     Acceptance,
     DepthPolicy,
     best_depth,
+    served_depth,
 )
 from cluster.decode.sampling import RequestRandom
 from cluster.decode.step_cost import StepCost
@@ -416,6 +418,16 @@ def test_auto_keeps_its_depth_where_depths_are_close() -> None:
     tell two depths apart `auto` stays, and changes only for one clearly faster."""
     assert _depth_changes(margin=0.0) >= 5
     assert _depth_changes(margin=SWITCH_MARGIN) <= 2
+
+
+def test_a_seeded_sampled_request_gets_a_fixed_depth_where_auto_is_only_the_default() -> None:
+    """Sampled tokens follow the drafts and `auto`'s drafts follow the machine's timings, so a
+    request that asks for repeatable tokens (a seed) is served at a fixed depth."""
+    seeded, unseeded = SamplingParams(0.7, seed=5), SamplingParams(0.7)
+    assert served_depth("auto", seeded) == REPRODUCIBLE_DEPTH
+    assert served_depth("auto", unseeded) == "auto"
+    assert served_depth("auto", SamplingParams(seed=5)) == "auto"  # greedy: tokens never vary
+    assert served_depth(3, seeded) == 3  # a server's fixed depth stays
 
 
 def test_a_new_request_starts_from_the_nodes_acceptance() -> None:
