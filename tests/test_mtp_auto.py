@@ -102,7 +102,7 @@ def test_auto_stops_drafting_where_drafts_fail_in_one_process(noise_model, devic
         try:
             fixed, _, drafted = await _greedy(local.engine.pipeline, 1)
             assert drafted >= TOKENS - 2  # depth 1 drafts on every step...
-            local.runners[-1].tail.step_cost = _curve(COST_CURVES[device])
+            local.runners[-1].tail.round_cost = _curve(COST_CURVES[device])
             auto, steps, _ = await _greedy(local.engine.pipeline, "auto")
         finally:
             local.close()
@@ -166,7 +166,7 @@ def _serve_auto(model: Path) -> Iterator[tuple[ServedApp, _StepsEngine]]:
     served.start()
     try:
         engine.local = served.call(open_local_engine(model))
-        engine.local.runners[-1].tail.step_cost = _curve(COST_CURVES["cpu"])
+        engine.local.runners[-1].tail.round_cost = _curve(COST_CURVES["cpu"])
         engine.steps = _Steps(engine.local.engine.pipeline)
         engine.local.engine.pipeline = engine.steps
         yield served, engine
@@ -251,7 +251,7 @@ def test_auto_backs_off_within_32_tokens_of_an_acceptance_drop(noise_model, devi
     async def go():
         local = await open_local_engine(noise_model)
         local.runners[-1].tail.force_verdict = verdict
-        local.runners[-1].tail.step_cost = _curve(COST_CURVES[device])
+        local.runners[-1].tail.round_cost = _curve(COST_CURVES[device])
         try:
             _, steps, _ = await _greedy(local.engine.pipeline, "auto")
         finally:

@@ -28,6 +28,7 @@ from cluster.decode import verify
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import LocalEngine, open_local_engine
 from cluster.decode.mtp_depth import (
+    CLOSE_PROBE_EVERY,
     PROBE_EVERY,
     PROBE_STEPS,
     REPRODUCIBLE_DEPTH,
@@ -38,7 +39,7 @@ from cluster.decode.mtp_depth import (
     served_depth,
 )
 from cluster.decode.sampling import RequestRandom
-from cluster.decode.step_cost import StepCost
+from cluster.decode.step_cost import RoundClock, StepCost
 from cluster.decode.tail import Tail
 from cluster.messages import (
     RequestError,
@@ -253,7 +254,7 @@ async def _sampled_tokens(
     local = await open_local_engine(model_dir, mtp=mtp)
     tail = local.runners[-1].tail
     if depth == "auto":
-        tail.step_cost = _linear_cost()  # what `auto` weighs drafts against (the runner
+        tail.round_cost = _linear_cost()  # what `auto` weighs drafts against (the runner
         # still records the real timings into its own)
     try:
         requests = [
@@ -420,6 +421,34 @@ def test_auto_keeps_its_depth_where_depths_are_close() -> None:
     assert _depth_changes(margin=SWITCH_MARGIN) <= 2
 
 
+def _drafting_after_early_rejections(close_every: int) -> list[int]:
+    """The depths of 48 steps of a request whose first two drafts fail and every later one
+    passes, on a CPU-like curve (a second row costs 0.6 of a step, a draft at 0.6 pays)."""
+    cost = StepCost()
+    for _ in range(3):
+        for positions, seconds in ((1, 1.0), (2, 1.6), (3, 2.2)):
+            cost.record(positions, seconds)
+    auto, failed, depths = DepthPolicy("auto"), 0, []
+    with mock.patch("cluster.decode.mtp_depth.CLOSE_PROBE_EVERY", close_every):
+        for _ in range(48):
+            depth = auto.next_depth(cost, 0)
+            if depth:
+                passed = depth if failed >= 2 else 0
+                failed += depth - passed
+                auto.record(depth, passed)
+            depths.append(depth)
+    return depths
+
+
+def test_a_request_plain_after_a_few_early_rejections_drafts_again_when_drafts_pass() -> None:
+    """A few rejections at a text's start leave an estimate on few verdicts near where a
+    draft stops paying: `auto` probes soon, and drafts again once the probes pass."""
+    depths = _drafting_after_early_rejections(CLOSE_PROBE_EVERY)
+    assert 0 in depths[:8] and all(depths[-16:]), depths
+    # Probing only every PROBE_EVERY steps, it would stay plain for the rest of the answer.
+    assert not any(_drafting_after_early_rejections(PROBE_EVERY)[-16:])
+
+
 def test_a_seeded_sampled_request_gets_a_fixed_depth_where_auto_is_only_the_default() -> None:
     """Sampled tokens follow the drafts and `auto`'s drafts follow the machine's timings, so a
     request that asks for repeatable tokens (a seed) is served at a fixed depth."""
@@ -437,6 +466,20 @@ def test_a_new_request_starts_from_the_nodes_acceptance() -> None:
     assert node.judged[0] > 5  # (at most 1 / (1 - DECAY) with the decay)
     assert DepthPolicy("auto", node).next_depth(_cost(1.0), 0) == 0
     assert DepthPolicy("auto").next_depth(_cost(0.02), 0) == 4  # optimistic, rows nearly free
+
+
+def test_a_round_is_timed_between_steady_batches_of_the_same_requests_and_shape() -> None:
+    clock = RoundClock(StepCost())
+    clock.batch(("a",), 2, 100, now=10.0)
+    clock.batch(("a",), 2, 101, now=10.5)  # a's round at 2 positions: 0.5 s
+    clock.batch(("b",), 1, 50, now=10.6)  # another group in between: its own rounds
+    clock.batch(("a",), 3, 102, now=11.2)  # a changed shape: no round of 3 yet
+    clock.batch(("a",), None, 0, now=11.3)  # not steady (a prefill chunk joined, say)
+    clock.batch(("a",), 3, 104, now=11.9)  # after an unsteady batch: nothing to time from
+    clock.batch(("a",), 3, 105, now=12.6)
+    clock.batch(("a", "b"), 4, 105, now=13.0)  # a batch of other requests: nothing yet
+    assert clock.cost.curve() == {11: {2: (pytest.approx(0.5), 1), 3: (pytest.approx(0.7), 1)}}
+    assert clock.cost.seconds(3, 2000) == pytest.approx(0.7)  # short contexts share a curve
 
 
 def test_step_cost_interpolates_and_extrapolates() -> None:

@@ -4,8 +4,9 @@ Each request keeps its running acceptance at each draft position: `rate[i]` is t
 that draft i+1 passes given that the drafts before it passed (a draft after a rejection is
 never judged, so it is not counted). With k drafts a step emits on average
     E(k) = 1 + r1 + r1 r2 + ... + r1 ... rk
-tokens, and costs what a batch of its positions costs on this node at the batch's context
-length (cluster.decode.step_cost, the node's own counters). Its drafts also slow the other
+tokens, and takes the round that a batch of its positions takes at the batch's context length,
+as the tail timed it (cluster.decode.step_cost.RoundClock: the whole pipeline, hops and host
+work included, what the request waits per step). Its drafts also slow the other
 requests of the batch, so `auto` picks the k that maximises the batch's tokens per second,
 (others + E(k)) / cost(others + 1 + k), counting one token per position of the others (an
 upper bound, which leans against drafting). k = 0, a plain step, is one of the candidates:
@@ -14,10 +15,14 @@ costs, and where no depth beats a plain step `auto` does not draft.
 
 What `auto` cannot see it probes, at a cost bounded by design. A depth it does not draft at
 has no verdicts, and a depth it does not step at has no cost at the request's context; and
-the node records only steps that keep their depth (cluster.decode.runner: the step where a
-depth changes costs neither depth's price), so a probe is a short run of steps:
+the tail records only rounds between steps that keep their depth (the step where a depth
+changes costs neither depth's price), so a probe is a short run of steps:
 - every `PROBE_EVERY` steps, a request that does not draft drafts one draft for
-  `PROBE_STEPS` steps (the acceptance, and the cost of a step with a draft);
+  `PROBE_STEPS` steps (the acceptance, and the cost of a step with a draft); every
+  `CLOSE_PROBE_EVERY` steps while its estimate rests on few verdicts (`FEW_VERDICTS`) and one
+  draft is expected to pay nearly as well as none (`CLOSE`): a few early rejections, which a
+  text's first tokens often bring, would otherwise keep a request plain for the rest of a
+  typical answer;
 - one that drafts alternates between `PROBE_STEPS` steps one draft deeper (the acceptance
   there, the cost of one more row) and `PLAIN_PROBE_STEPS` plain steps (the cost of a step
   without drafts at this context);
@@ -56,6 +61,12 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0  # as if two drafts of each position were ju
 DECAY = 0.9
 # A probe every 100 steps: 2 steps drafting where drafts fail, 2 % of the steps.
 PROBE_EVERY = 100
+# Where a draft's expected tokens per second are within this share of a plain step's and
+# the request's estimate rests on less than FEW_VERDICTS (decayed) verdicts, it may well be
+# wrong the other way: a plain request then probes every CLOSE_PROBE_EVERY steps, 2 drafting
+# steps in 16 that cost at most 15 % each. Each probe adds 2 verdicts, so a request whose
+# drafts do fail is soon sure of it and probes every PROBE_EVERY steps again.
+CLOSE, CLOSE_PROBE_EVERY, FEW_VERDICTS = 0.85, 16, 6.0
 PROBE_STEPS = 2  # the first drafts after plain steps, the second is one the node records
 WARM_UP_STEPS = 4  # the first probe of a count: three steps recorded, not one sample
 # Once `auto` stops drafting it stays plain this many steps at least: a run of plain steps is
@@ -125,12 +136,59 @@ class Acceptance:
             start = min(PRIOR_RATE, self.rate(position - 1))
         return (passed + start * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
 
+    def verdicts(self) -> float:
+        """How many verdicts on a first draft the estimate rests on (decayed)."""
+        return self.judged[0] if self.judged else 0.0
+
     def expected_tokens(self, depth: int, prior: Acceptance | None = None) -> float:
         total, reach = 1.0, 1.0
         for i in range(depth):
             reach *= self.rate(i, prior)
             total += reach
         return total
+
+
+def depth_rates(
+    acceptance: Acceptance,
+    cost: StepCost,
+    others: int,
+    max_depth: int = AUTO_MAX_DEPTH,
+    prior: Acceptance | None = None,
+    context: int = 0,
+) -> dict[int, float]:
+    """Expected tokens per second of a batch where `others` positions belong to other
+    requests, at `context` positions (the batch's longest), for each depth whose cost the node
+    can tell; empty while it cannot tell a plain step's."""
+    plain = cost.seconds(others + 1, context)
+    if plain is None:
+        return {}
+    rates = {0: (others + 1) / max(plain, 1e-9)}
+    floor = plain
+    row_floor = plain * MIN_ROW_COST / (others + 1)  # of what a row of this batch costs
+    for depth in range(1, max_depth + 1):
+        seconds = cost.seconds(others + 1 + depth, context)
+        if seconds is None:
+            break  # a count never timed anywhere: a probe times it
+        # More positions always cost more (what says otherwise is noise).
+        seconds = floor = max(seconds, floor + row_floor)
+        rates[depth] = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
+    return rates
+
+
+def choose_depth(rates: dict[int, float], others: int, current: int | None = None) -> int:
+    """The depth of `depth_rates` with the most tokens per second (0 where none is known). With
+    `current`, the request's depth now, that depth is kept unless the best is expected to be
+    `SWITCH_MARGIN` faster (of the request's share of the batch)."""
+    if not rates:
+        return 0
+    best = max(rates, key=lambda depth: (rates[depth], -depth))  # the shallower on a tie
+    if current in rates:
+        # The margin is of this request's share of the batch: in a batch of many positions
+        # one request's depth moves the batch's rate by about its share, not by 3 %.
+        share = (1 + current) / (others + 1 + current)
+        if rates[best] <= rates[current] * (1 + SWITCH_MARGIN * share):
+            return current
+    return best
 
 
 def best_depth(
@@ -142,32 +200,10 @@ def best_depth(
     context: int = 0,
     current: int | None = None,
 ) -> int:
-    """The depth with the most expected tokens per second for a batch where `others`
-    positions belong to other requests, at `context` positions (the batch's longest), among
-    the depths whose cost the node can tell; 0 while it cannot tell a plain step's. With
-    `current`, the request's depth now, that depth is kept unless the best is expected to be
-    `SWITCH_MARGIN` faster (of the request's share of the batch)."""
-    plain = cost.seconds(others + 1, context)
-    if plain is None:
-        return 0
-    rates = {0: (others + 1) / max(plain, 1e-9)}
-    floor = plain
-    row_floor = plain * MIN_ROW_COST / (others + 1)  # of what a row of this batch costs
-    for depth in range(1, max_depth + 1):
-        seconds = cost.seconds(others + 1 + depth, context)
-        if seconds is None:
-            break  # a count never timed anywhere: a probe times it
-        # More positions always cost more (what says otherwise is noise).
-        seconds = floor = max(seconds, floor + row_floor)
-        rates[depth] = (others + acceptance.expected_tokens(depth, prior)) / max(seconds, 1e-9)
-    best = max(rates, key=lambda depth: (rates[depth], -depth))  # the shallower on a tie
-    if current in rates:
-        # The margin is of this request's share of the batch: in a batch of many positions
-        # one request's depth moves the batch's rate by about its share, not by 3 %.
-        share = (1 + current) / (others + 1 + current)
-        if rates[best] <= rates[current] * (1 + SWITCH_MARGIN * share):
-            return current
-    return best
+    """`choose_depth` over `depth_rates`: the depth with the most expected tokens per second,
+    among the depths whose cost the node can tell; 0 while it cannot tell a plain step's."""
+    rates = depth_rates(acceptance, cost, others, max_depth, prior, context)
+    return choose_depth(rates, others, current)
 
 
 @dataclass(slots=True)
@@ -188,6 +224,7 @@ class DepthPolicy:
     _warmed: bool = False  # the count the node could not cost was probed once
     _hold: int = 0  # plain steps still to take before drafting again (`HOLD_PLAIN`)
     _chosen: int | None = None  # the last depth chosen on the estimates (not a probe's)
+    _since_probe: int = 0  # decisions since the last periodic probe began
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -201,10 +238,9 @@ class DepthPolicy:
         if self.mode != "auto":
             return self.mode
         self.steps += 1
-        depth = best_depth(
-            self.acceptance, cost, others, prior=self.node, context=context, current=self._chosen
-        )
-        self._chosen = depth
+        self._since_probe += 1
+        rates = depth_rates(self.acceptance, cost, others, prior=self.node, context=context)
+        depth = self._chosen = choose_depth(rates, others, self._chosen)
         if self._hold:
             self._hold -= 1
             depth = 0
@@ -212,7 +248,12 @@ class DepthPolicy:
             self._hold = HOLD_PLAIN - 1
         if self._probe_left == 0:
             self._probing = False
-            self._start_probe(depth, cost, others, context)
+            close = (
+                depth == 0
+                and self.acceptance.verdicts() < FEW_VERDICTS
+                and rates.get(1, 0.0) >= CLOSE * rates.get(0, float("inf"))
+            )
+            self._start_probe(depth, cost, others, context, close)
         if self._probe_left:
             self._probe_left -= 1
             self.probes += 1
@@ -221,7 +262,10 @@ class DepthPolicy:
             self.drafting += 1
         return depth
 
-    def _start_probe(self, best: int, cost: StepCost, others: int, context: int) -> None:
+    def _start_probe(
+        self, best: int, cost: StepCost, others: int, context: int, close: bool
+    ) -> None:
+        """`close`: a plain request whose first draft is expected to pay nearly as well."""
         deeper = min(best + 1, AUTO_MAX_DEPTH)
         if not self._warmed and deeper > best:
             known = cost.seconds(others + 1 + best, context) is not None
@@ -229,8 +273,9 @@ class DepthPolicy:
                 self._warmed = True  # a count never timed anywhere, next to the choice
                 self._probe(deeper, WARM_UP_STEPS)
                 return
-        if self.steps % PROBE_EVERY:
+        if self._since_probe < (CLOSE_PROBE_EVERY if close else PROBE_EVERY):
             return
+        self._since_probe = 0
         if best > 0:
             self._plain_next = not self._plain_next
             if self._plain_next or deeper == best:

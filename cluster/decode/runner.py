@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from cluster.decode.late_input import LateInput
 from cluster.decode.snapshots import PrefixSnapshot, SnapshotStore
-from cluster.decode.step_cost import StepCost
+from cluster.decode.step_cost import RoundClock, StepCost
 from cluster.decode.tail import NextInput, Tail, TailJob, TailRequest, TailRequestMark
 from cluster.messages import RequestError, StepRequest, StepResult, UnknownRequestError
 from cluster.model.cache import CacheMark, PendingVerdicts, RequestCache, defer_verdicts
@@ -151,11 +151,13 @@ class ShardRunner:
         self.steps_ahead_used = 0
         self.steps_ahead_undone = 0
         self.cache_budget_bytes = cache_budget_bytes
-        # This shard's batches, timed (read by the MTP depth policy); a shape's first batch,
-        # which builds it, is left out.
+        # This shard's batches, timed; a shape's first batch, which builds it, is left out.
         self.step_cost = StepCost(drop_first=True)
+        # On the tail, its requests' rounds, timed the same way: what the MTP depth policy
+        # weighs drafts against.
+        self.rounds = RoundClock(StepCost(drop_first=True))
         self.tail = (
-            Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm, step_cost=self.step_cost)
+            Tail(shard, mtp_reads_prenorm=mtp_reads_prenorm, round_cost=self.rounds.cost)
             if shard.spec.is_tail
             else None
         )
@@ -182,12 +184,17 @@ class ShardRunner:
             if ahead is not None:
                 self._undo(ahead)
             output = self._run(steps, hidden)
-        if self._steady(output, undecided):
-            positions = context = 0
+        finished = time.perf_counter()
+        steady = self._steady(output, undecided)
+        positions = context = 0
+        if steady:
             for step in output.steps:
                 positions += len(step.tokens)
                 context = max(context, step.position + len(step.tokens))
-            self.step_cost.record(positions, time.perf_counter() - started, context)
+            self.step_cost.record(positions, finished - started, context)
+        if self.tail is not None and output.steps:
+            ran = tuple(step.request_id for step in output.steps)
+            self.rounds.batch(ran, positions if steady else None, context, finished)
         return output
 
     @staticmethod

@@ -1,11 +1,13 @@
 """What a batch costs this node, by its number of positions and its context, from the node's
 own counters.
 
-Every decode batch a shard runs is timed (from its start to its evaluated output) and
-recorded under its number of positions and its context bucket (the batch's longest context,
-by powers of two: attention reads every cached position, so a step's cost grows with the
-context), as a running mean that follows the machine's load. The curves are what the adaptive
-MTP depth (cluster.decode.mtp_depth) weighs drafts against: on a GPU bound by reading the
+Every decode batch a shard runs is timed (from its start to its evaluated output), and on the
+tail each request set's round too (from one of its batches to the next, `RoundClock`); each
+is recorded under the batch's number of positions and context bucket (the batch's longest
+context, by powers of two from SHORT_CONTEXT: attention reads every cached position, so a
+step's cost grows with the context), as a running mean that follows the machine's load. The
+round curves are what the adaptive MTP depth (cluster.decode.mtp_depth) weighs drafts
+against: on a GPU bound by reading the
 weights a step over 2-8 positions costs about what one costs, on this project's CPU test
 machine every extra row costs about half of what the first does, and at a long context the
 extra rows' attention costs more.
@@ -19,18 +21,25 @@ says. Reading is a few dictionary look-ups: the policy reads it per request per 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of a new sample in the running mean
+# Contexts shorter than this share one bucket. There a step's attention costs little beside
+# reading the weights, and curves split by powers of two only spread the samples thin: a
+# bucket's first few samples on a busy machine can make a second row look twice its price,
+# and `auto` stop drafting where it pays.
+SHORT_CONTEXT = 2048
 # A count is read from its own bucket once it has this many samples; before, a neighbouring
 # bucket's (scaled) is preferred: one sample on a loaded machine can invert two counts.
 TRUSTED_SAMPLES = 3
 
 
 def context_bucket(context: int) -> int:
-    """The bucket of a context of `context` positions: [2^(b-1), 2^b) is bucket b."""
-    return max(context, 0).bit_length()
+    """The bucket of a context of `context` positions: [2^(b-1), 2^b) is bucket b, and every
+    context shorter than SHORT_CONTEXT is that one's bucket below it."""
+    return max(context, SHORT_CONTEXT - 1).bit_length()
 
 
 def batch_context(ends: Iterable[int]) -> int:
@@ -174,3 +183,40 @@ class StepCost:
             b: {p: (c.seconds[p], c.samples[p]) for p in c.positions}
             for b, c in sorted(self._curves.items())
         }
+
+
+# Request sets whose last batch `RoundClock` remembers: more than the groups a pipeline runs
+# its requests in at once.
+ROUNDS_KEPT = 64
+
+
+@dataclass(slots=True)
+class RoundClock:
+    """The time from one batch of a set of requests to their next batch on this node, recorded
+    into `cost` by the batch's positions and context.
+
+    On the tail (or a whole model in one process) that is a request's round: its step through
+    every node and hop, the driver's work and the tail's own (sampling, verifying, drafting),
+    what the request waits per step at that shape. It is what `auto` weighs a depth's tokens
+    against, rather than the tail's compute alone: the round's fixed share (other nodes, hops,
+    host work) makes a row more cost less of it, and a step the tail builds ahead of its input
+    costs less than its compute. Only a round between two steady batches (`steady`) of the
+    same requests and positions is recorded: one where a request joined, left or changed its
+    depth measures the change, not the shape."""
+
+    cost: StepCost
+    _last: OrderedDict[tuple[str, ...], tuple[float, int | None]] = field(
+        default_factory=OrderedDict
+    )
+
+    def batch(
+        self, requests: tuple[str, ...], positions: int | None, context: int, now: float
+    ) -> None:
+        """A batch of `requests` finished at `now` (seconds, monotonic); `positions`: its
+        positions if it was steady, else None."""
+        previous = self._last.pop(requests, None)
+        if previous is not None and positions is not None and previous[1] == positions:
+            self.cost.record(positions, now - previous[0], context)
+        self._last[requests] = (now, positions)
+        if len(self._last) > ROUNDS_KEPT:
+            self._last.popitem(last=False)

@@ -199,12 +199,14 @@ class Tail:
         shard: ModelShard,
         *,
         mtp_reads_prenorm: bool = False,
-        step_cost: StepCost | None = None,
+        round_cost: StepCost | None = None,
         force_verdict: ForcedVerdict | None = None,
     ):
         self.shard = shard
         self.mtp_reads_prenorm = mtp_reads_prenorm
-        self.step_cost = step_cost if step_cost is not None else StepCost()
+        # What a request's round costs by the batch's positions and context (the runner's
+        # `RoundClock`): what `auto` weighs drafts against.
+        self.round_cost = round_cost if round_cost is not None else StepCost()
         self.acceptance = Acceptance()  # over all requests: a new request's starting point
         # For tests and benchmarks only: each drafted step's verdict (`ForcedVerdict`).
         self.force_verdict = force_verdict
@@ -269,7 +271,7 @@ class Tail:
         for job in mtp_jobs:
             if job.candidates is not None or job.replays:
                 others = positions - len(job.step.tokens)
-                job.depth = job.state.depth.next_depth(self.step_cost, others, context)
+                job.depth = job.state.depth.next_depth(self.round_cost, others, context)
                 job.decided = True
             job.state.discard_speculative()
             self._pair(job, mtp_input)
