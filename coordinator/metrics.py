@@ -41,8 +41,8 @@ class CoordinatorLinkStatus:
     """One of the coordinator's own links to a node of the pipeline: `role` "steps" (its
     step stream to the head), "results" (the node's results back to it) or "control" (its
     heartbeat and other calls). `transport` "tcp" for the resumable streams, "grpc" for the
-    control calls and for a stream that rides the node's gRPC channel (under TLS, or with no
-    step port), which never moves. `node_address`: the node as `NodeStatus.address` names it.
+    control calls and for a stream that rides the node's gRPC channel (a node with no step
+    port), which never moves. `node_address`: the node as `NodeStatus.address` names it.
     Failover as a hop's (`HopStatus`); `failed`: why no address of the node answers."""
 
     role: str

@@ -460,15 +460,15 @@ async def serve(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
-    step_listener = None
-    if tls is None:  # under TLS every step stays on the encrypted gRPC stream
-        step_listener = StepListener(
-            token,
-            service.accept_linked_step,
-            service.subscribers.add_link,
-            service.subscribers.resume_link,
-        )
-        service.step_port = await step_listener.start(host)
+    # Steps and results stream over TCP (encrypted under TLS, as the gRPC port is).
+    step_listener = StepListener(
+        token,
+        service.accept_linked_step,
+        service.subscribers.add_link,
+        service.subscribers.resume_link,
+        tls_context=tls.server_context() if tls is not None else None,
+    )
+    service.step_port = await step_listener.start(host)
     advertiser = None
     if settings.advertise:
         from cluster.transport.advertise import NodeAdvertiser
@@ -496,7 +496,6 @@ async def serve(
     finally:
         if advertiser is not None:
             await advertiser.stop()
-        if step_listener is not None:
-            await step_listener.close()
+        await step_listener.close()
         await server.stop(grace=1.0)
         await service.close()

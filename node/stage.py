@@ -257,10 +257,9 @@ class Downstream:
 
     async def _open(self) -> None:
         self._channel = open_channel(self.address, self._tls)
-        if self._tls is None:
-            self._link = await self._open_link()
-            if self._link is not None:
-                return
+        self._link = await self._open_link()
+        if self._link is not None:
+            return
         steps = self._channel.stream_stream(
             STEPS_METHOD, response_deserializer=pb.StepEvent.FromString
         )

@@ -28,7 +28,7 @@ from cluster.commands.status import status_command
 from cluster.decode import remote_pipeline
 from cluster.decode.remote_pipeline import RemotePipeline
 from cluster.transport import failover
-from cluster.transport.auth import TokenInterceptor
+from cluster.transport.auth import TLSConfig, TokenInterceptor
 from cluster.transport.failover import ResultsStreamLink, Route, StepStreamLink
 from cluster.transport.hop_choice import HopChoice
 from cluster.transport.node_client import NodeClient, NodeUnavailable
@@ -58,12 +58,32 @@ class Pinged(pb_grpc.NodeServicer):
         return pb.LinkPingReply(node_id=NODE_ID, payload=request.payload)
 
 
-async def ping_server(host: str, port: int = 0) -> tuple[grpc.aio.Server, int]:
+async def ping_server(
+    host: str, port: int = 0, tls: TLSConfig | None = None
+) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(interceptors=[TokenInterceptor(TOKEN)])
     pb_grpc.add_NodeServicer_to_server(Pinged(), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.server_credentials())
     await server.start()
     return server, bound
+
+
+@pytest.fixture(scope="module")
+def cluster_tls(tmp_path_factory: pytest.TempPathFactory) -> TLSConfig:
+    """A cluster certificate for both loopback addresses the streams are dialled at."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cluster.pem", folder / "cluster.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=qwen-cluster", "-addext", "subjectAltName=IP:127.0.0.1,IP:127.0.0.2",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return TLSConfig.from_files(cert, key)
 
 
 async def wait_for(condition, what: str) -> None:
@@ -85,16 +105,26 @@ def quick_failback(monkeypatch):
     monkeypatch.setattr(failover, "FAILBACK_IDLE_S", 0.3)
 
 
-def test_step_stream_moves_to_the_next_address_and_back_without_losing_a_step(quick_failback):
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "tls"])
+def test_step_stream_moves_to_the_next_address_and_back_without_losing_a_step(
+    quick_failback, encrypted, request
+):
+    """Under TLS too: the stream is encrypted end to end, the relay passes its bytes on."""
+    tls = request.getfixturevalue("cluster_tls") if encrypted else None
+
     async def main():
         received: list[int] = []
-        listener = StepListener(TOKEN, lambda message: received.append(message.sequence))
+        listener = StepListener(
+            TOKEN,
+            lambda message: received.append(message.sequence),
+            tls_context=tls.server_context() if tls else None,
+        )
         port = await listener.start(SLOW)
         relay = Relay(port)
         await relay.start()
-        pings, grpc_port = await ping_server(FAST)
+        pings, grpc_port = await ping_server(FAST, tls=tls)
         routes = (Route(FAST, grpc_port, "thunderbolt"), Route(SLOW, grpc_port, "wifi"))
-        link = await StepStreamLink.open("next node", routes, NODE_ID, TOKEN, None, port)
+        link = await StepStreamLink.open("next node", routes, NODE_ID, TOKEN, tls, port)
         try:
             assert link.state.current.host == FAST
             for sequence in range(50):
@@ -112,7 +142,7 @@ def test_step_stream_moves_to_the_next_address_and_back_without_losing_a_step(qu
             assert "no answer over 127.0.0.2" in state.last_reason
 
             relay.cut = False  # the fast path answers again: the idle link moves back
-            pings, _ = await ping_server(FAST, grpc_port)
+            pings, _ = await ping_server(FAST, grpc_port, tls)
             await wait_for(lambda: not link.state.degraded, "the move back")
             assert link.state.failbacks == 1
             await link.send(step(200))

@@ -14,6 +14,7 @@ from cluster.decode.local_engine import open_local_engine
 from cluster.decode.remote_pipeline import PipelineSettings, load_pipeline, open_remote_engine
 from cluster.transport.auth import TLSConfig
 from cluster.transport.node_client import NodeClient, NodeUnavailable
+from cluster.transport.step_link import StepLinkError, StepSender
 from cluster.weights.service import WeightsService, serve_weights
 from tests import nodes
 
@@ -41,12 +42,13 @@ def test_generation_over_tls_matches_and_plain_clients_are_refused(
     tls = TLSConfig.from_files(certificate[0])
     prompt = tuple(tokenizer.encode(CODE_PROMPTS[1]))
 
-    async def remote() -> tuple[int, ...]:
+    async def remote() -> tuple[tuple[int, ...], dict[str, object]]:
         engine = await open_remote_engine(
             model_dir, group.addresses, PipelineSettings(group.token, tls=tls)
         )
         try:
-            return (await engine.engine.generate(GenerationRequest(prompt, 24))).tokens
+            tokens = (await engine.engine.generate(GenerationRequest(prompt, 24))).tokens
+            return tokens, engine.pipeline.transports
         finally:
             await engine.close()
 
@@ -57,17 +59,22 @@ def test_generation_over_tls_matches_and_plain_clients_are_refused(
         finally:
             engine.close()
 
-    assert run(remote()) == run(local())
+    tokens, transports = run(remote())
+    assert tokens == run(local())
+    # Steps and results ran over the nodes' TCP streams, encrypted: the streams that move to
+    # another address when a link fails.
+    assert transports["steps"] == "tcp" and transports["results"] == ["tcp", "tcp"], transports
 
-    async def step_ports() -> list[int]:
-        clients = [NodeClient(a, group.token, tls) for a in group.addresses]
+    async def plain_step_stream() -> None:
+        client = NodeClient(group.addresses[0], group.token, tls)
         try:
-            return [(await c.info()).step_port for c in clients]
+            port = (await client.info()).step_port
         finally:
-            for c in clients:
-                await c.close()
+            await client.close()
+        await StepSender.open("127.0.0.1", port, group.token, timeout_s=2.0)  # no TLS
 
-    assert run(step_ports()) == [0, 0]  # no plain step stream: every hop stays encrypted
+    with pytest.raises(StepLinkError):
+        run(plain_step_stream())
 
     async def plain_info() -> None:
         client = NodeClient(group.addresses[0], group.token)  # no TLS
@@ -117,8 +124,8 @@ def test_a_node_without_the_model_fetches_it_over_tls(
         pipeline = await load_pipeline(model_dir, group.addresses, settings)
         local = await open_local_engine(model_dir)
         try:
-            # No plain TCP under TLS: the driver's steps and results stay on the encrypted streams.
-            assert pipeline.transports == {"steps": "grpc", "results": ["grpc"]}
+            # Under TLS the driver's steps and results take the node's encrypted TCP streams.
+            assert pipeline.transports == {"steps": "tcp", "results": ["tcp"]}
             remote_out = await GenerationEngine(pipeline).generate(GenerationRequest(prompt, 16))
             local_out = await local.engine.generate(GenerationRequest(prompt, 16))
             return remote_out.tokens, local_out.tokens

@@ -59,8 +59,8 @@ Link = TypeVar("Link")
 class DriverLink:
     """One of a driver's links to a node: `role` "steps" (its step stream to the head),
     "results" (the node's results back to it) or "control" (its heartbeat and other unary
-    calls); `state` None where a stream rides the node's gRPC channel (TLS, or no step port),
-    which stays on the node's given address."""
+    calls); `state` None where a stream rides the node's gRPC channel (a node with no step
+    port), which stays on the node's given address."""
 
     role: str
     client: NodeClient
@@ -187,17 +187,19 @@ class RemotePipeline:
     ) -> Link | None:
         """`open_link(name, routes, node_id, token, tls, port)` to the node's TCP port over
         its addresses as measured from here, best first; None for gRPC."""
-        if not port or client.tls is not None:
+        if not port:
             return None
         host, grpc_port = split_host_port(client.address)
         routes: tuple[Route, ...] = (Route(host, grpc_port),)
         if links:
-            choice = await choose_hop(client.address, links, client.node_id, client.token, None)
+            choice = await choose_hop(
+                client.address, links, client.node_id, client.token, client.tls
+            )
             routes = routes_of(choice, links)
             client.order_routes(routes)  # its control calls fail over in the same order
         try:
             return await open_link(
-                f"{name}{client.describe()}", routes, client.node_id, client.token, None, port
+                f"{name}{client.describe()}", routes, client.node_id, client.token, client.tls, port
             )
         except StepLinkError as error:  # a firewall, say: gRPC still works
             log.warning("%s; using gRPC for %s", error, client.describe())
@@ -446,7 +448,7 @@ class PipelineSettings:
     is, without timing the others. `adopt`: keep the shards the nodes already hold when they
     form exactly this pipeline. `micro_batches`: the groups the head runs the live requests
     in (None: one per node; 1: one batch of all that is queued). `links`: use the nodes' TCP
-    streams where they serve them (False: gRPC's, as under TLS)."""
+    streams where they serve them (False: gRPC's)."""
 
     token: str = field(repr=False)  # the cluster secret: kept out of logs
     tls: TLSConfig | None = None

@@ -8,6 +8,8 @@ the handler runs.
 from __future__ import annotations
 
 import hmac
+import ssl
+import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,9 +78,37 @@ class TLSConfig:
         return cls(Path(cert).read_bytes(), Path(key).read_bytes() if key else None)
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self._node_key(), self.cert)])
+
+    def server_context(self) -> ssl.SSLContext:
+        """A node's side of its TLS step and results streams: the cluster certificate."""
+        key = self._node_key()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        # The ssl module loads a key from a file only: one of this user's alone (mkdtemp's
+        # folder is 0700), gone once loaded.
+        with tempfile.TemporaryDirectory() as folder:
+            cert_file, key_file = Path(folder, "cluster.pem"), Path(folder, "cluster.key")
+            cert_file.write_bytes(self.cert)
+            key_file.write_bytes(key)
+            context.load_cert_chain(cert_file, key_file)
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """A peer's side: trusts exactly the cluster certificate, whose names must cover the
+        address dialled (checked, as gRPC checks it)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_verify_locations(cadata=self.cert.decode("ascii"))
+        return context
+
+    def _node_key(self) -> bytes:
         if self.key is None:
             raise ValueError("a node serving TLS needs the certificate's key (--tls-key)")
-        return grpc.ssl_server_credentials([(self.key, self.cert)])
+        return self.key
+
+
+def client_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
+    """What a TCP stream to a node dials with: TLS where the cluster uses it."""
+    return None if tls is None else tls.client_context()
 
 
 def open_channel(

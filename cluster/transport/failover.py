@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.transport.auth import TLSConfig, open_channel, token_metadata
+from cluster.transport.auth import TLSConfig, client_context, open_channel, token_metadata
 from cluster.transport.hop_choice import HopChoice, join_host_port, split_host_port
 from cluster.transport.results_link import ResultsLink
 from cluster.transport.step_link import UNKNOWN_STREAM, StepLinkError, StepSender
@@ -370,7 +370,12 @@ class StepStreamLink(_FailoverLink):
 
     async def _connect(self, route: Route) -> None:
         sender = await StepSender.open(
-            route.host, self._port, self._token, OPEN_TIMEOUT_S, self._stream_id
+            route.host,
+            self._port,
+            self._token,
+            OPEN_TIMEOUT_S,
+            self._stream_id,
+            tls_context=client_context(self._tls),
         )
         self._sender = sender
         self._stall_reason = ""
@@ -484,6 +489,7 @@ class ResultsStreamLink(_FailoverLink):
             OPEN_TIMEOUT_S,
             stream_id=self._stream_id,
             received=self._received,
+            tls_context=client_context(self._tls),
         )
         self._closed_reason = ""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable
 
@@ -121,9 +122,11 @@ class ResultsLink(asyncio.Protocol):
         timeout_s: float = 10.0,
         stream_id: bytes | None = None,
         received: int = 0,
+        tls_context: ssl.SSLContext | None = None,
     ) -> ResultsLink:
         """Connect and subscribe: once this returns, nothing the node publishes is lost. With
-        `stream_id`, as that resumable subscription, of which `received` batches came."""
+        `stream_id`, as that resumable subscription, of which `received` batches came; with
+        `tls_context`, over TLS (the node's certificate checked against `host`)."""
         address = f"{host}:{port}"
         loop = asyncio.get_running_loop()
         link = None
@@ -133,6 +136,8 @@ class ResultsLink(asyncio.Protocol):
                     lambda: cls(token.encode(), on_batch, on_closed, stream_id, received),
                     host,
                     port,
+                    ssl=tls_context,
+                    server_hostname=host if tls_context is not None else None,
                 )
                 await link._accepted
         except (OSError, TimeoutError, StepLinkError) as error:

@@ -6,8 +6,9 @@ grpc.aio stream a hop costs well over a bare grpc.aio echo: the step's codec run
 message path, cold, and gRPC's own per-message Python work comes on top. The same serialized
 `StepBatch` (`wire.step_batch_bytes`) sent as a length-prefixed frame on an asyncio TCP stream
 costs about what the echo costs. The control
-plane (LoadShard, Info, Release) stays on gRPC, and so does everything under TLS: the
-successor advertises this port in its `NodeInfo.step_port` only when it serves without TLS.
+plane (LoadShard, Info, Release) stays on gRPC. Under TLS the stream is TLS over the same
+port, with the cluster certificate (`TLSConfig.server_context`), checked against the address
+dialled as gRPC checks it.
 
 The stream is one-way, as the gRPC one is used:
 
@@ -48,6 +49,7 @@ import contextlib
 import hmac
 import logging
 import socket
+import ssl
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -212,8 +214,10 @@ class StepListener:
         accept: Callable[[pb.StepBatch | StepRecords], None],
         subscribe: Subscribe | None = None,
         resume_results: ResumeResults | None = None,
+        tls_context: ssl.SSLContext | None = None,
     ):
         self.token = token.encode()
+        self.tls_context = tls_context  # TLS: every stream is encrypted (`TLSConfig`)
         self.accept = accept
         self.subscribe = subscribe
         self.resume_results = resume_results
@@ -225,7 +229,9 @@ class StepListener:
 
     async def start(self, host: str, port: int = 0) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _StepStream(self), host, port)
+        self._server = await loop.create_server(
+            lambda: _StepStream(self), host, port, ssl=self.tls_context
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -468,13 +474,18 @@ class StepSender:
         token: str,
         timeout_s: float = 10.0,
         stream_id: bytes | None = None,
+        tls_context: ssl.SSLContext | None = None,
     ) -> StepSender:
-        """Connect and say hello; with `stream_id`, as that resumable stream."""
+        """Connect and say hello; with `stream_id`, as that resumable stream; with
+        `tls_context`, over TLS (the node's certificate checked against `host`)."""
         address = f"{host}:{port}"
         secret = token.encode()
+        hostname = host if tls_context is not None else None
         try:
             async with asyncio.timeout(timeout_s):
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(
+                    host, port, ssl=tls_context, server_hostname=hostname
+                )
         except (OSError, TimeoutError) as error:
             raise StepLinkError(f"cannot open a step stream to {address}: {error}") from None
         _no_delay(writer)
