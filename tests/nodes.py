@@ -265,3 +265,18 @@ async def node_infos(addresses: list[str], token: str = TOKEN) -> list[pb.NodeIn
 
 async def active_requests(addresses: list[str], token: str = TOKEN) -> list[int]:
     return [info.active_requests for info in await node_infos(addresses, token)]
+
+
+def cluster_certificate(
+    folder: Path, addresses: tuple[str, ...] = ("127.0.0.1",)
+) -> tuple[Path, Path]:
+    """A self-signed cluster certificate (and its key) whose names are these IP addresses."""
+    cert, key = folder / "cluster.pem", folder / "cluster.key"
+    names = ",".join(f"IP:{address}" for address in addresses)
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=qwen-cluster", "-addext", f"subjectAltName={names}",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key

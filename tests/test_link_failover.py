@@ -45,7 +45,7 @@ from coordinator.service import coordinator_link_statuses
 from node.stage import Subscribers
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
-from tests import hostlab
+from tests import hostlab, nodes
 from tests.fakes import FakeClusterView, FakeEngine, serve
 
 TOKEN = "failover-test-token"
@@ -76,14 +76,7 @@ async def ping_server(
 def cluster_tls(tmp_path_factory: pytest.TempPathFactory) -> TLSConfig:
     """A cluster certificate for both loopback addresses the streams are dialled at."""
     folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cluster.pem", folder / "cluster.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-         "-subj", "/CN=qwen-cluster", "-addext", "subjectAltName=IP:127.0.0.1,IP:127.0.0.2",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return TLSConfig.from_files(cert, key)
+    return TLSConfig.from_files(*nodes.cluster_certificate(folder, (SLOW, FAST)))
 
 
 async def wait_for(condition, what: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -24,15 +23,7 @@ node_factory = nodes.node_factory
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed cluster certificate for 127.0.0.1."""
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cluster.pem", folder / "cluster.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-         "-subj", "/CN=qwen-cluster", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
+    return nodes.cluster_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def test_generation_over_tls_matches_and_plain_clients_are_refused(
