@@ -95,6 +95,13 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def lab_supervisors(lab: Lab) -> list[int]:
+    """The pids of this lab's node supervisors (another test's lab may run beside it)."""
+    state = str(lab.lab.directory / "state")
+    found = processes_mentioning("cluster.hosts.supervisor")
+    return sorted(pid for pid, cmdline in found if state in cmdline)
+
+
 @dataclass
 class Up:
     process: subprocess.Popen
@@ -269,7 +276,7 @@ def test_a_restarted_coordinator_adopts_the_loaded_nodes(lab: Lab):
     nodes = status_json(lab.up)["nodes"]
     loads = shard_loads(lab, nodes)
     assert set(loads.values()) == {1}
-    supervisors = sorted(p for p, _ in processes_mentioning("cluster.hosts.supervisor"))
+    supervisors = lab_supervisors(lab)
     client = lab.up.client()
     stream = client.completions.create(
         model=client.models.list().data[0].id,
@@ -280,13 +287,13 @@ def test_a_restarted_coordinator_adopts_the_loaded_nodes(lab: Lab):
     )
     next(iter(stream))  # the request is running on the nodes
     lab.up.stop()
-    assert sorted(p for p, _ in processes_mentioning("cluster.hosts.supervisor")) == supervisors
+    assert lab_supervisors(lab) == supervisors
     lab.up = start_up(lab.cluster_file, lab.up.log.with_name("up-again.log"))
     text = lab.up.log.read_text()
     assert text.count(": running [process]") == 3, text
     assert complete(lab.up) == lab.reference["text"]
     assert shard_loads(lab, nodes) == loads
-    assert sorted(p for p, _ in processes_mentioning("cluster.hosts.supervisor")) == supervisors
+    assert lab_supervisors(lab) == supervisors
 
 
 def test_an_address_in_the_cluster_file_wins_over_measuring(lab: Lab):
