@@ -151,16 +151,9 @@ class ClusterView(Protocol):
 
     def stats(self) -> ClusterStats: ...
 
-    # Optional (`coordinator_links_of`): a view that drives a pipeline also has
-    #     def coordinator_links(self) -> list[CoordinatorLinkStatus]
-    # its own links to the nodes, head first.
-
-
-def coordinator_links_of(view: ClusterView) -> list[CoordinatorLinkStatus]:
-    """The coordinator's own links as `view` reports them; none from a view without them
-    (one that drives no pipeline of its own)."""
-    links = getattr(view, "coordinator_links", None)
-    return list(links()) if links is not None else []
+    def coordinator_links(self) -> list[CoordinatorLinkStatus]:
+        """The coordinator's own links to the nodes, head first (none without a pipeline)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -186,7 +179,7 @@ def cluster_json(view: ClusterView) -> dict[str, object]:
     nodes = view.node_statuses()
     return {
         "nodes": [_node_json(node) for node in nodes],
-        "coordinator_links": [asdict(link) for link in coordinator_links_of(view)],
+        "coordinator_links": [asdict(link) for link in view.coordinator_links()],
         "stats": asdict(view.stats()),
         "healthy": bool(nodes) and all(node.up for node in nodes),
     }
@@ -226,7 +219,7 @@ def render_prometheus(
         samples = [({"node": node.node_id}, value_of(node)) for node in nodes]
         out.family(name, "gauge", help_text, samples)
     _hop_families(out, [node for node in nodes if node.hop is not None])
-    _coordinator_link_families(out, coordinator_links_of(view))
+    _coordinator_link_families(out, view.coordinator_links())
     cluster_values = {
         "cluster_tokens_per_second": stats.tokens_per_s,
         "cluster_mtp_acceptance_rate": stats.acceptance_rate,

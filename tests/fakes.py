@@ -28,7 +28,7 @@ from cluster.model.shard import ShardSpec
 from coordinator.admission import AdmissionController
 from coordinator.api import Monitoring, ServedModel, create_app
 from coordinator.api_keys import ApiKeys
-from coordinator.metrics import ClusterStats, NodeStatus, RequestCounters
+from coordinator.metrics import ClusterStats, CoordinatorLinkStatus, NodeStatus, RequestCounters
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "cluster" / "assets" / "qwen3_5-tiny-mtp"
 MODEL_ID = "qwen3_5-tiny-mtp"
@@ -136,6 +136,9 @@ class FakeClusterView:
 
     def node_statuses(self) -> list[NodeStatus]:
         return list(self.nodes)
+
+    def coordinator_links(self) -> list[CoordinatorLinkStatus]:
+        return []
 
     def stats(self) -> ClusterStats:
         return ClusterStats(

@@ -560,7 +560,7 @@ needs_lab = pytest.mark.skipif(LAB_MISSING is not None, reason=LAB_MISSING or ""
 STREAMS = 6
 STREAM_TOKENS = 200
 PROMPTS = [f"Story {i}: once upon a time" for i in range(STREAMS)]
-MOVE_S = 3.0  # the bound on a hop's move to the slow address
+MOVE_S = 3.0  # a hop is on the slow address within this after its fast link goes down
 
 
 @dataclass

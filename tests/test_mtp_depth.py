@@ -35,7 +35,8 @@ from cluster.decode.mtp_depth import (
     SWITCH_MARGIN,
     Acceptance,
     DepthPolicy,
-    best_depth,
+    choose_depth,
+    depth_rates,
     served_depth,
 )
 from cluster.decode.sampling import RequestRandom
@@ -360,13 +361,16 @@ def test_auto_drafts_deep_where_rows_are_cheap_and_not_where_they_cost() -> None
     high = Acceptance()
     for _ in range(50):
         high.record(4, 4)
-    assert best_depth(high, _cost(per_row=0.02), others=0) == 4  # a GPU: rows nearly free
+    # A GPU, rows nearly free; a CPU, every row costs.
+    assert choose_depth(depth_rates(high, _cost(per_row=0.02), 0), 0) == 4
     low = Acceptance()
     for _ in range(50):
         low.record(2, 0)
-    assert best_depth(low, _cost(per_row=1.0), others=0) == 0  # a CPU: every row costs
+    assert choose_depth(depth_rates(low, _cost(per_row=1.0), 0), 0) == 0
     # A long batch: the request's rows cost per row even where a lone step's rows are free.
-    assert best_depth(high, _cost(per_row=1.0), others=30) < best_depth(high, _cost(0.02), 0)
+    assert choose_depth(depth_rates(high, _cost(1.0), 30), 30) < choose_depth(
+        depth_rates(high, _cost(0.02), 0), 0
+    )
 
 
 def test_acceptance_counts_only_judged_positions() -> None:

@@ -191,21 +191,6 @@ def choose_depth(rates: dict[int, float], others: int, current: int | None = Non
     return best
 
 
-def best_depth(
-    acceptance: Acceptance,
-    cost: StepCost,
-    others: int,
-    max_depth: int = AUTO_MAX_DEPTH,
-    prior: Acceptance | None = None,
-    context: int = 0,
-    current: int | None = None,
-) -> int:
-    """`choose_depth` over `depth_rates`: the depth with the most expected tokens per second,
-    among the depths whose cost the node can tell; 0 while it cannot tell a plain step's."""
-    rates = depth_rates(acceptance, cost, others, max_depth, prior, context)
-    return choose_depth(rates, others, current)
-
-
 @dataclass(slots=True)
 class DepthPolicy:
     """One request's draft count for each next step. `steps` counts its decisions,
