@@ -436,12 +436,14 @@ async def oracle_table(
             try:
                 tps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
                 auto_runs: list[Run] = []
+                gaps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
                 for _ in range(rounds):
                     shuffled = list(ORACLE_VARIANTS)
                     order.shuffle(shuffled)
                     for variant in shuffled:
                         run = await _decode(local.engine, prompt, variant, max_tokens, GREEDY)
                         tps[variant].append(run.decode_tps)
+                        gaps[variant].extend(run.gaps[1:])
                         if variant == "auto":
                             auto_runs.append(run)
             finally:
@@ -454,12 +456,31 @@ async def oracle_table(
                 for v in ORACLE_VARIANTS
             }
             table[str(rate)]["auto"]["choices"] = auto_choices(auto_runs)
+            table[str(rate)]["rounds"] = {v: [round(t, 2) for t in tps[v]] for v in tps}
+            # Each auto step: (drafts, ms since the last token), to see where it loses.
+            table[str(rate)]["auto_steps"] = [
+                [(d, round(g * 1e3, 1)) for (d, _), g in zip(run.verdicts, run.gaps, strict=False)]
+                for run in auto_runs
+            ]
+            table[str(rate)]["round_cost"] = _round_curve(local)
+            table[str(rate)]["median_gap_ms"] = {
+                v: round(median(g) * 1e3, 2) for v, g in gaps.items() if g
+            }
             row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in ORACLE_VARIANTS)
             print(f"acceptance {rate:.1f}: {row}", flush=True)
             print(f"  auto: {table[str(rate)]['auto']['choices']}", flush=True)
     finally:
         local.close()
     return table
+
+
+def _round_curve(local) -> dict:
+    """The tail's round-cost curve as `auto` reads it: {bucket: {positions: [ms, samples]}}."""
+    tail = local.engine.pipeline.runners[-1]
+    return {
+        str(b): {str(p): [round(s * 1e3, 2), n] for p, (s, n) in curve.items()}
+        for b, curve in tail.rounds.cost.curve().items()
+    }
 
 
 def auto_choices(runs: list[Run]) -> dict:

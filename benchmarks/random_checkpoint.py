@@ -99,17 +99,39 @@ def model_config(shape: str, bits: int, group_size: int) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one word per id ("t0" ... ), so that any sampled id decodes
-    (mlx-lm's loader wants a tokenizer; the speed of the model does not depend on it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+# Each message in role markers, as a real template does: the coordinator's chat endpoint and
+# its conversation cache (which stores the system prompt's end) work as on a real model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer without merges: text encodes to one id per byte (0-255), so
+    distinct texts are distinct prompts (a benchmark's prompts must not share a prefix,
+    or the conversation cache would time itself), and the other ids decode as words "t256"
+    ..., so that any sampled id decodes. With a chat template (`CHAT_TEMPLATE`). mlx-lm's
+    loader wants a tokenizer; the speed of the model does not depend on it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {char: i for i, char in enumerate(alphabet)}
+    vocab.update({f"t{i}": i for i in range(len(alphabet), vocab_size)})
+    tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20})
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 1 << 20,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
     )
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def _bf16(shard: nn.Module) -> None:

@@ -44,7 +44,14 @@ class ChatPrompt:
 
 
 def render_chat_prompt(tokenizer: Any, chat: ChatRequest) -> ChatPrompt:
-    """The prompt's tokens; a template that refuses the conversation is a 400."""
+    """The prompt's tokens; a template that refuses the conversation is a 400, and so is a
+    chat for a model whose tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(
+            400,
+            "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template), so it cannot take chat messages: send a prompt to /v1/completions",
+        )
     tools = chat.offered_tools
     kwargs: dict[str, Any] = dict(chat.template_kwargs)
     if tools:

@@ -273,3 +273,12 @@ def test_closed_loop_keeps_the_level_and_open_loop_is_poisson(arun) -> None:
     assert all(gap >= want - 0.005 for gap, want in zip(gaps, expected, strict=True))
     assert client.most > 1  # sent while others were in flight
     assert wall < 6 * 0.3  # not one after the other
+
+
+def test_a_failed_cache_part_is_reported_beside_the_scenarios() -> None:
+    """The conversation-cache parts run after the scenarios; when one fails (a model without
+    a chat template, say) the table still holds every scenario and says why it is missing."""
+    run = _report(1.0) | {"errors": {"shared_prefix_ttft": "HTTP 400: no chat template"}}
+    text = report.table(run)
+    assert "p64 c=1 sampled mtp" in text
+    assert "chats sharing a system prompt: not measured (HTTP 400: no chat template)" in text

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from coordinator.chat_prompt import render_chat_prompt
 from coordinator.chat_request import parse_chat_request
+from coordinator.openai_schema import ApiError
 from coordinator.tool_calls import CALL_CLOSE, CALL_OPEN, parse_call_body
 from tests.fakes import MODEL_ID, tokenizer
 
@@ -138,3 +141,20 @@ def test_chat_prompt_tool_choices_and_thinking() -> None:
     )
     assert not forced.starts_in_reasoning  # a forced call closes the think block first
     assert tokenizer().decode(list(forced.tokens)).endswith("<think>\n\n</think>\n\n<tool_call>\n")
+
+
+def test_a_model_without_a_chat_template_answers_400_naming_the_completions_endpoint() -> None:
+    """A checkpoint whose tokenizer has no template cannot take chat messages: a clear 400,
+    not an internal error."""
+
+    class NoTemplate:
+        chat_template = None
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer(), name)
+
+    request = _request(messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ApiError) as caught:
+        render_chat_prompt(NoTemplate(), request)
+    assert caught.value.status == 400
+    assert "/v1/completions" in str(caught.value)

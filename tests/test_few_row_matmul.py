@@ -91,6 +91,19 @@ def test_eligible_layers_are_swapped_over_their_own_arrays() -> None:
             assert mx.array_equal(layer(inputs[name]), expected[name]), name
 
 
+def test_kernel_variants_are_built_once_per_quantization() -> None:
+    """Each kernel variant (row counts, tiles) runs once per quantization at load, so that no
+    user's step compiles one; where the kernels do not run, nothing runs."""
+    model = nn.Module()
+    model.a = _quantized(256, 70)
+    model.b = _quantized(512, 16)  # the same quantization: its variants are a's
+    model.q8 = _quantized(128, 33, bits=8, group_size=128)
+    use_few_row_kernel(model)
+    expected = 2 if few_row_matmul.available() else 0
+    assert few_row_matmul.build_kernel_variants(model) == expected
+    assert few_row_matmul.VARIANT_ROWS[-1] == tensor_core_matmul.MAX_ROWS
+
+
 def test_a_loaded_quantized_shard_is_swapped_only_on_cuda(model_dir, tmp_path) -> None:
     q4 = convert(model_dir, tmp_path / "q4", q_bits=4)
     shard = load_shard(q4, for_decoding=True)

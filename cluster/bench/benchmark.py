@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,9 @@ async def run_benchmark(
                     "requests": [_request_row(r) for r in records],
                 }
             )
-        cached = await _cached_ttft(client, plan, prompts)
-        shared = await _shared_prefix_ttft(client, plan, prompts)
+        # Each of these reports its own failure: the scenarios above stand without them.
+        cached, cached_error = await _or_error(_cached_ttft(client, plan, prompts))
+        shared, shared_error = await _or_error(_shared_prefix_ttft(client, plan, prompts))
     finally:
         await client.close()
     return {
@@ -99,7 +100,20 @@ async def run_benchmark(
         "scenarios": results,
         "cached_ttft": cached,
         "shared_prefix_ttft": shared,
+        "errors": {
+            name: error
+            for name, error in (("cached_ttft", cached_error), ("shared_prefix_ttft", shared_error))
+            if error
+        },
     }
+
+
+async def _or_error(part: Awaitable[list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], str]:
+    """A part's rows and no error, or no rows and why it failed."""
+    try:
+        return await part, ""
+    except BenchError as error:
+        return [], str(error)
 
 
 async def _cached_ttft(

@@ -191,6 +191,9 @@ def table(report: dict[str, Any]) -> str:
 
 def _cached_lines(report: dict[str, Any]) -> list[str]:
     rows = report.get("cached_ttft") or []
+    error = report.get("errors", {}).get("cached_ttft")
+    if error:
+        return ["", f"TTFT of a follow-up turn: not measured ({error})"]
     if not rows:
         return []
     cells = [
@@ -203,6 +206,9 @@ def _cached_lines(report: dict[str, Any]) -> list[str]:
 
 def _shared_prefix_lines(report: dict[str, Any]) -> list[str]:
     rows = report.get("shared_prefix_ttft") or []
+    error = report.get("errors", {}).get("shared_prefix_ttft")
+    if error:
+        return ["", f"TTFT of chats sharing a system prompt: not measured ({error})"]
     if not rows:
         return []
     first, later = rows[0], rows[1:]

@@ -119,15 +119,16 @@ def scenarios(
 
 
 class PromptSource:
-    """Prompts of exact token lengths cut from the corpus ring, each from its own offset."""
+    """Prompts of exact token lengths cut from the corpus ring, each from its own offset, the
+    first at `start` (taken modulo the ring's length: `start` is where this source began)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, start: int = 0) -> None:
         text = gzip.decompress(CORPUS_PATH.read_bytes()).decode()
         self.tokenizer = tokenizer
         self.ids: tuple[int, ...] = tuple(
             token for piece in _PIECE.findall(text) for token in tokenizer.encode(piece)
         )
-        self._next = 0
+        self.start = self._next = start % len(self.ids)
 
     def take(self, length: int) -> tuple[int, ...]:
         """The next prompt of `length` tokens; consecutive prompts start `PROMPT_STRIDE` apart."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shlex
 import sys
 from collections.abc import Iterator
@@ -128,7 +129,9 @@ def bench_command(
         plan = BenchPlan(model_dir, load_model_config(model_dir).max_context, chosen, seed)
         kinds = _baseline_kinds(baseline_kinds)
         depth = parse_mtp_depth(mtp_depth) if mtp_depth is not None else None
-        prompts = PromptSource(_tokenizer(model_dir))
+        # Each run starts at its own place in the corpus: a server's conversation cache holds
+        # the prompts of earlier runs, and a repeated prompt would time the cache, not a prefill.
+        prompts = PromptSource(_tokenizer(model_dir), start=random.randrange(1 << 30))
         with _cluster_url(url, local, hosts, model_dir) as target:
             result = _run(target, plan, prompts, api_key, depth)
         result["baselines"] = _baselines(
@@ -153,6 +156,7 @@ def bench_command(
             "hosts_file": str(hosts) if hosts else None,
             "model_dir": str(model_dir),
             "seed": seed,
+            "prompt_offset": prompts.start,
             "mtp_depth": depth,
             "baselines": kinds,
         },

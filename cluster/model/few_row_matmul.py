@@ -45,8 +45,8 @@ from mlx.utils import tree_map
 from cluster.model import tensor_core_matmul
 
 __all__ = [
-    "MAX_ROWS", "FewRowQuantizedLinear", "available", "few_row_quantized_matmul",
-    "use_few_row_kernel", "use_mlx_kernels",
+    "MAX_ROWS", "FewRowQuantizedLinear", "available", "build_kernel_variants",
+    "few_row_quantized_matmul", "use_few_row_kernel", "use_mlx_kernels",
 ]  # fmt: skip
 
 # The kernel is memory-bound up to a few rows and compute-bound after, where MLX's GEMM on rows
@@ -304,6 +304,36 @@ def use_few_row_kernel(module: nn.Module) -> int:
     leaves = tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
     module.update_modules(leaves)
     return swapped
+
+
+# One row count for each variant the kernels compile: the few-row kernel's per row count (1-3),
+# the tensor-core kernel's per 8-row tile (4-8, 9-16, 17-24, 25-32).
+VARIANT_ROWS = (1, 2, 3, 8, 16, 24, 32)
+
+
+def build_kernel_variants(module: nn.Module) -> int:
+    """Run, once, each kernel variant that the `FewRowQuantizedLinear` layers under `module`
+    may take (one layer per quantization, `VARIANT_ROWS` rows of zeros); returns how many
+    layers ran them. Nothing runs where the kernels do not (`available`).
+
+    MLX compiles a CUDA kernel the first time it meets its template, which holds the row
+    count: a step of a count not met before (the MTP head's pass over the pairs a plain run
+    held back, a short last prefill chunk) would pay that compile, 1-2 s, on a user's request.
+    Run once at load, the variants cost a few matmuls of one layer."""
+    if not available():
+        return 0
+    seen: set[tuple[int, int, mx.Dtype]] = set()
+    for _, layer in module.named_modules():
+        if not isinstance(layer, FewRowQuantizedLinear):
+            continue
+        dtype = layer["scales"].dtype
+        key = (layer.bits, layer.group_size, dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        width = layer["weight"].shape[1] * 32 // layer.bits
+        mx.eval([layer(mx.zeros((rows, width), dtype=dtype)) for rows in VARIANT_ROWS])
+    return len(seen)
 
 
 def use_mlx_kernels(module: nn.Module) -> int:

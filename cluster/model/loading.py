@@ -139,6 +139,8 @@ def load_shard(
             few_row_matmul.use_few_row_kernel(shard)
     shard.eval()
     _evaluate_by_layer(shard)
+    if for_decoding and shard.fast_path.few_row_kernel:
+        few_row_matmul.build_kernel_variants(shard)
     return shard
 
 

@@ -123,6 +123,7 @@ class ModelShard(nn.Module):
         if fast_path.few_row_kernel != kernel_was and few_row_matmul.available():
             if fast_path.few_row_kernel:
                 few_row_matmul.use_few_row_kernel(self)
+                few_row_matmul.build_kernel_variants(self)
             else:
                 few_row_matmul.use_mlx_kernels(self)
 
