@@ -605,8 +605,8 @@ async def run_coordinator(
     try:
         await coordinator.warm_up(warmup_hook)
         await coordinator.warmup.ready()  # (one cut short by a lost node: the next one's end)
-        if settings.announce:
-            url = f"http://{settings.host}:{settings.port}"
+        if settings.announce:  # the port bound: `--port 0` takes any free one
+            url = f"http://{settings.host}:{runner.addresses[0][1]}"
             print(f"OpenAI endpoint: {url}/v1   dashboard: {url}/", flush=True)
         if started is not None:
             started.set()

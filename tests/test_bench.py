@@ -38,8 +38,10 @@ def _bench(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedPr
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench-local")
     prompts = ",".join(map(str, PROMPTS))
+    # A fixed place in the corpus, whose prompts share no prefix (a random one might).
     done = _bench("--local", "3", "--prompt-tokens", prompts, "--concurrency", "1,2",
-                  "--max-tokens", str(MAX_TOKENS), "--out", str(out))  # fmt: skip
+                  "--max-tokens", str(MAX_TOKENS), "--prompt-offset", "0",
+                  "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -47,7 +49,7 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("bench-url") / "up.log"
-    daemon = Daemon.start(log, "bench-token", "up", "--local", "1", "--port", str(free_port()))
+    daemon = Daemon.start(log, "bench-token", "up", "--local", "1", "--port", "0")
     try:
         yield daemon.wait_for(ENDPOINT)
     finally:
@@ -117,6 +119,9 @@ def test_url_run_gives_the_same_metric_set(
         assert scenario["nodes"][0].keys() == local["scenarios"][0]["nodes"][0].keys()
         assert [r["completion_tokens"] for r in scenario["requests"]] == [8] * 4
     assert remote["settings"]["mtp_depth"] == 2 and closed["metrics"]["mtp_drafted"] > 0
+    # Each run starts at a place of its own in the corpus, recorded to repeat it.
+    assert local["settings"]["prompt_offset"] == 0
+    assert isinstance(remote["settings"]["prompt_offset"], int)
     for scenario in (closed, poisson):  # a fixed depth: chosen on every step, over `cluster up`
         assert scenario["metrics"]["auto_depth_mean"] == 2.0
         assert scenario["metrics"]["auto_depth0_share"] == 0.0

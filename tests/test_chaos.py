@@ -100,7 +100,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
             TOKEN,
             *("-v", "coordinator"),
             *("--nodes", ",".join(state.address(i) for i in range(4))),
-            *("--port", str(free_port()), "--no-mdns", "--layers", LAYERS),
+            *("--port", "0", "--no-mdns", "--layers", LAYERS),
         )
         state.daemons.append(coordinator)
         state.url = coordinator.wait_for(ENDPOINT)

@@ -45,7 +45,7 @@ from cluster.placement import (
     plan_placement,
 )
 from coordinator.settings import CoordinatorSettings, MaxContextError, ServingOptions
-from tests.daemons import free_port, stop_process_group, wait_until
+from tests.daemons import stop_process_group, wait_until
 from tests.fakes import FakeEngine, serve
 
 MODEL_CONTEXT = 8192  # the bundled model's max_position_embeddings
@@ -306,7 +306,7 @@ _ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
 def _up(tmp_path: Path, *argv: str) -> Iterator[str]:
     log = tmp_path / "up.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "up", "--local", "2", "--port", str(free_port()), *argv],
+        [sys.executable, "-m", "cluster", "up", "--local", "2", "--port", "0", *argv],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "CLUSTER_TOKEN": "max-context-test"},

@@ -27,7 +27,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.daemons import free_port, wait_until
+from tests.daemons import wait_until
 
 START_DEADLINE_S = 60.0
 DOWN_DEADLINE_MS = 15_000  # heartbeat every 1 s, down after 3 s, the page polls every 1 s
@@ -130,7 +130,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     log = logs / "up.log"
     env = {k: v for k, v in os.environ.items() if k != "CLUSTER_TOKEN"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "up", "--local", "3", "--port", str(free_port())],
+        [sys.executable, "-m", "cluster", "up", "--local", "3", "--port", "0"],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -325,7 +325,7 @@ def test_sigterm_stops_everything_too(tmp_path: Path):
     """`kill` or a service manager sends SIGTERM: the nodes must not outlive `cluster up`."""
     log = tmp_path / "up.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "up", "--local", "1", "--port", str(free_port())],
+        [sys.executable, "-m", "cluster", "up", "--local", "1", "--port", "0"],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 START_TIMEOUT_S = 180.0
+_ENDPOINT = re.compile(r"OpenAI endpoint: http://\S+:(\d+)/v1")
 
 
 class ClusterUpError(RuntimeError):
@@ -33,9 +32,11 @@ class ClusterUp:
     """`with ClusterUp.local(3, model_dir) as cluster:` ... `cluster.url` ..."""
 
     def __init__(self, up_args: list[str], host: str = "127.0.0.1") -> None:
-        self.port = _free_port()
-        self.up_args = [*up_args, "--port", str(self.port)]
-        self.url = f"http://{_reachable(host)}:{self.port}"
+        # Any free port, as the coordinator binds it: one chosen here could be taken by
+        # another process before the coordinator binds it, and then answer in its place.
+        self.up_args = [*up_args, "--port", "0"]
+        self.host = host
+        self.url = ""  # once ready: from the endpoint line `cluster up` prints
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in __exit__
             prefix="cluster-bench-", suffix=".log", delete=False
         )
@@ -80,24 +81,23 @@ class ClusterUp:
             os.unlink(self._log.name)
 
     def _wait_healthy(self) -> None:
+        """Wait for the endpoint line, which `cluster up` prints once the cluster serves."""
         deadline = time.monotonic() + START_TIMEOUT_S
+        log = Path(self._log.name)
         while True:
             assert self._proc is not None
+            match = _ENDPOINT.search(log.read_text(errors="replace"))
+            if match:
+                self.url = f"http://{_reachable(self.host)}:{match.group(1)}"
+                return
             if self._proc.poll() is not None:
                 raise ClusterUpError(
                     f"`cluster up {' '.join(self.up_args)}` exited with "
-                    f"{self._proc.returncode}:\n" + _tail(Path(self._log.name))
+                    f"{self._proc.returncode}:\n" + _tail(log)
                 )
-            with (
-                contextlib.suppress(urllib.error.URLError, OSError),
-                urllib.request.urlopen(f"{self.url}/health", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    return
             if time.monotonic() > deadline:
                 raise ClusterUpError(
-                    f"the cluster was not healthy after {START_TIMEOUT_S:.0f} s:\n"
-                    + _tail(Path(self._log.name))
+                    f"the cluster was not serving after {START_TIMEOUT_S:.0f} s:\n" + _tail(log)
                 )
             time.sleep(0.2)
 
@@ -109,12 +109,6 @@ def _reachable(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(log: Path, chars: int = 3000) -> str:

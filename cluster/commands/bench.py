@@ -78,6 +78,13 @@ from cluster.messages import RequestError, parse_mtp_depth
     help="mlx-lm, ring, both (mlx-lm,ring) or none; ring: over --local ranks or --hosts.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--prompt-offset",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Where in the prompt corpus the run starts (its JSON records it) [default: a random "
+    "place: a server's conversation cache holds earlier runs' prompts].",
+)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None)
 @click.option(
     "--compare",
@@ -102,6 +109,7 @@ def bench_command(
     mtp_depth: str | None,
     baseline_kinds: str,
     seed: int,
+    prompt_offset: int | None,
     out_dir: Path | None,
     compare: tuple[Path, Path] | None,
 ) -> None:
@@ -131,7 +139,8 @@ def bench_command(
         depth = parse_mtp_depth(mtp_depth) if mtp_depth is not None else None
         # Each run starts at its own place in the corpus: a server's conversation cache holds
         # the prompts of earlier runs, and a repeated prompt would time the cache, not a prefill.
-        prompts = PromptSource(_tokenizer(model_dir), start=random.randrange(1 << 30))
+        start = random.randrange(1 << 30) if prompt_offset is None else prompt_offset
+        prompts = PromptSource(_tokenizer(model_dir), start=start)
         with _cluster_url(url, local, hosts, model_dir) as target:
             result = _run(target, plan, prompts, api_key, depth)
         result["baselines"] = _baselines(

@@ -135,7 +135,9 @@ _SERVING_OPTIONS: list[tuple[str, Callable[[F], F]]] = [
         "--host", default=None,
         help="Where the HTTP endpoint listens [default: 127.0.0.1]. Beyond loopback it needs "
         "an API key.")),
-    ("port", click.option("--port", type=int, default=None, help="HTTP port [default: 8000].")),
+    ("port", click.option(
+        "--port", type=int, default=None,
+        help="HTTP port; 0 takes any free one (the endpoint line says which) [default: 8000].")),
     ("api_key", click.option(
         "--api-key", envvar="CLUSTER_API_KEY", default=None,
         help="Require 'Authorization: Bearer KEY' on /v1 (also $CLUSTER_API_KEY).")),

@@ -8,13 +8,14 @@ over ssh and runs the coordinator here; Ctrl-C stops the coordinator only, and `
 
 from __future__ import annotations
 
-import contextlib
 import os
+import queue
+import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from cluster.commands.options import layers_option, model_option, serving_option
 
 if TYPE_CHECKING:
     from cluster.hosts.clusterfile import ClusterFile
-    from coordinator.settings import ServingOptions
+    from coordinator.settings import CoordinatorSettings, ServingOptions
 
 NODE_START_TIMEOUT_S = 60.0
 
@@ -37,23 +38,71 @@ def local_node_command(port: int, node_id: str) -> list[str]:
             "--node-id", node_id, "--no-advertise"]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# What a node prints once it listens (node.server.serve): its port is read from it.
+_LISTENING = re.compile(r" listening on \S+:(\d+)$")
 
 
-def _wait_for_nodes(procs: list[subprocess.Popen], ports: list[int]) -> None:
-    deadline = time.monotonic() + NODE_START_TIMEOUT_S
-    for proc, port in zip(procs, ports, strict=True):
-        while True:
-            if proc.poll() is not None:
-                raise click.ClickException(f"node on port {port} exited with {proc.returncode}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                raise click.ClickException(f"node on port {port} did not start")
-            time.sleep(0.1)
+def _start_local_nodes(
+    count: int, env: dict[str, str], extra: list[str]
+) -> tuple[list[subprocess.Popen], list[int]]:
+    """`count` node daemons on loopback, each on a port it picks itself (port 0: no other
+    process can take it between a choice here and the node's bind), read from the line the
+    node prints once it listens. Raises `ClickException` if one exits first or stays silent
+    for NODE_START_TIMEOUT_S; the nodes started are then stopped."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(count):
+            procs.append(
+                subprocess.Popen(
+                    [*local_node_command(0, f"local-{i}"), *extra],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        ports = [_listening_port(proc, f"local-{i}", deadline) for i, proc in enumerate(procs)]
+    except BaseException:
+        _stop_nodes(procs)
+        raise
+    return procs, ports
+
+
+def _listening_port(proc: subprocess.Popen, name: str, deadline: float) -> int:
+    """The port in `proc`'s "listening on" line. Its output is read to the end in the
+    background (a node blocks on a full pipe)."""
+    found: queue.Queue[int | None] = queue.Queue()
+
+    def read() -> None:
+        reported = False
+        for line in proc.stdout:
+            match = _LISTENING.search(line.rstrip())
+            if match and not reported:
+                found.put(int(match.group(1)))
+                reported = True
+        found.put(None)  # the end of its output: it exited
+
+    threading.Thread(target=read, name=f"{name}-stdout", daemon=True).start()
+    try:
+        port = found.get(timeout=max(deadline - time.monotonic(), 0.0))
+    except queue.Empty:
+        raise click.ClickException(
+            f"node {name} did not start within {NODE_START_TIMEOUT_S:.0f} s"
+        ) from None
+    if port is None:
+        raise click.ClickException(f"node {name} exited with {proc.wait()}")
+    return port
+
+
+def _stop_nodes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each node, then kill those still running after 5 s."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @click.command("up")
@@ -105,43 +154,37 @@ def up_local(
     from cluster.config import bundled_model_path
 
     token = os.environ.get("CLUSTER_TOKEN") or secrets.token_hex(16)
-    ports = [_free_port() for _ in range(count)]
-    settings = build_settings(
-        serving,
-        model_dir or bundled_model_path(),
-        token,
-        nodes=tuple(f"127.0.0.1:{p}" for p in ports),
-        browse=False,
-        layers=layers,
-        use_all=True,
-        warmup=warmup,
-    )
+
+    def settings_for(ports: list[int]) -> CoordinatorSettings:
+        return build_settings(
+            serving,
+            model_dir or bundled_model_path(),
+            token,
+            nodes=tuple(f"127.0.0.1:{p}" for p in ports),
+            browse=False,
+            layers=layers,
+            use_all=True,
+            warmup=warmup,
+        )
+
+    settings_for([0] * count)  # its refusals, before any node starts
     env = {**os.environ, "CLUSTER_TOKEN": token}
     tls = [f"--tls-{part}={path}" for part, path in (("cert", serving.tls_cert),
            ("key", serving.tls_key)) if path]  # fmt: skip
     # SIGTERM (kill, a service manager) stops everything as Ctrl-C does; by default it would
     # end this process at once, skipping the `finally` below and leaving the nodes running.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    procs = [
-        subprocess.Popen(
-            [*local_node_command(p, f"local-{i}"), *tls], env=env, stdout=subprocess.DEVNULL
-        )
-        for i, p in enumerate(ports)
-    ]
     try:
-        _wait_for_nodes(procs, ports)
+        procs, ports = _start_local_nodes(count, env, tls)
+    except KeyboardInterrupt:
+        return
+    try:
         click.echo(f"{count} local node(s) on ports {', '.join(map(str, ports))}")
-        serve_coordinator(settings)
+        serve_coordinator(settings_for(ports))
     except KeyboardInterrupt:
         pass
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop_nodes(procs)
 
 
 def hosts_serving(cluster: ClusterFile, flags: ServingOptions) -> ServingOptions:
