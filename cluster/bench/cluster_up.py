@@ -61,7 +61,7 @@ class ClusterUp:
             command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            self._wait_healthy()
+            self._wait_serving()
         except BaseException:
             self.__exit__()
             raise
@@ -80,7 +80,7 @@ class ClusterUp:
         with contextlib.suppress(OSError):
             os.unlink(self._log.name)
 
-    def _wait_healthy(self) -> None:
+    def _wait_serving(self) -> None:
         """Wait for the endpoint line, which `cluster up` prints once the cluster serves."""
         deadline = time.monotonic() + START_TIMEOUT_S
         log = Path(self._log.name)
