@@ -66,7 +66,9 @@ class NodeStatus(Stage):
     the node reports."""
 
     up: bool
-    last_heartbeat_s: float  # seconds since the last heartbeat
+    # Seconds since the last heartbeat asked: the figures shown are the node's at or after
+    # then (an answer that arrives late may have been read before the answer's own time).
+    last_heartbeat_s: float
     memory_used_bytes: int
     memory_total_bytes: int
     step_latency_ms: float

@@ -116,6 +116,7 @@ class MeteredEngine:
 class _LastReply:
     info: pb.NodeInfo | None = None
     at: float = 0.0  # monotonic time of the last answer
+    asked: float = 0.0  # when it was asked for: `info` shows the node at or after this time
     rtt_ms: float = 0.0  # how long that answer took
 
 
@@ -468,7 +469,7 @@ class Coordinator:
         try:
             asked = time.monotonic()
             heard.info = await client.info(timeout=DOWN_AFTER_S - HEARTBEAT_S)
-            heard.at = time.monotonic()
+            heard.at, heard.asked = time.monotonic(), asked
             heard.rtt_ms = (heard.at - asked) * 1000
         except Exception as error:  # any failure means: not up now
             log.debug("node %s: %s", node.address, error)
@@ -501,7 +502,7 @@ class Coordinator:
             address=address,
             shard=shard,
             up=up,
-            last_heartbeat_s=now - heard.at if heard.at else float("inf"),
+            last_heartbeat_s=now - heard.asked if heard.at else float("inf"),
             memory_used_bytes=info.memory_used_bytes,
             memory_total_bytes=info.memory_total_bytes,
             step_latency_ms=info.step_latency_ms,
