@@ -8,6 +8,7 @@ state. All MLX work runs on one worker thread; the event loop only moves message
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -81,16 +82,37 @@ def device_name() -> str:
 MEMORY_CAP_BYTES: int | None = None  # NodeSettings.memory_cap_bytes of the node running here
 
 
+@functools.cache
+def discrete_gpu_memory_bytes() -> int | None:
+    """The memory of the GPU that MLX runs on where it has its own (CUDA), else None: an
+    Apple-silicon GPU shares the machine's memory, and the CPU backend uses the machine's."""
+    device = mx.default_device()
+    if device.type != mx.gpu or mx.metal.is_available():
+        return None
+    info = mx.device_info()
+    size = info.get("total_memory", info.get("memory_size", 0))
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def total_memory_bytes() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 0
+    """The memory that bounds this node's weights and caches (at most `--memory-gb`): a
+    discrete GPU's own, not the host's, which may be larger (a host of 256 GB with a 141 GB
+    GPU would plan caches and MLX's buffer cache that the GPU cannot hold)."""
+    total = discrete_gpu_memory_bytes()
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            total = 0
     return min(total, MEMORY_CAP_BYTES) if MEMORY_CAP_BYTES is not None else total
 
 
 def process_memory_bytes() -> int:
-    """Resident memory of this process (Linux /proc; elsewhere MLX's own active memory)."""
+    """The memory this process holds of `total_memory_bytes`: on a discrete GPU, MLX's
+    buffers there (in use and cached); elsewhere the resident memory (Linux /proc; else
+    MLX's own active memory)."""
+    if discrete_gpu_memory_bytes() is not None:
+        return mx.get_active_memory() + mx.get_cache_memory()
     try:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
