@@ -15,7 +15,8 @@ every (length, chunk) on each side builds that shape: it is reported apart (`col
 Then, on the nodes at the default chunk:
 - decode at a long context against a short one: tokens/s of one request after a prompt of
   the longest length and after `--short` tokens (TPOT, MTP off);
-- decode while a long prompt prefills (at each of `--itl-chunks`): `--streams` requests
+- decode while a long prompt prefills (at each of `--itl-chunks`, by default the chunk the
+  coordinator measures for prompts that arrive while others decode): `--streams` requests
   decode, then the longest prompt arrives; the running streams' gaps between tokens while it
   prefills, against their gaps before it (median and p99).
 """
@@ -39,6 +40,7 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
+from cluster.decode.warmup import measure_interleave_chunk
 from cluster.messages import RequestOptions
 
 MTP_OFF = RequestOptions(mtp=False)
@@ -154,7 +156,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 tp["long_over_short"] = tp["long_tps"] / tp["short_tps"]
                 print(f"decode tok/s: {tp}", flush=True)
                 report["itl_while_prefilling"] = []
-                for chunk in args.itl_chunks or [nodes.prefill_chunk]:
+                chunks = args.itl_chunks
+                if not chunks:  # the chunk the coordinator would choose, measured as it does
+                    choice = await measure_interleave_chunk(
+                        nodes.pipeline, nodes.prefill_chunk, vocab
+                    )
+                    report["interleave_choice"] = {
+                        "decode_step_ms": choice.decode_step_s * 1e3,
+                        "prefill_ms": {n: s * 1e3 for n, s in choice.prefill_s.items()},
+                        "chunk": choice.chunk,
+                    }
+                    print(choice.line(), flush=True)
+                    chunks = [choice.chunk]
+                for chunk in chunks:
                     nodes.prefill_chunk = chunk
                     row = {"chunk": chunk}
                     row.update(await gaps_while_prefilling(nodes, vocab, longest, args.streams))

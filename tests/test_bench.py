@@ -88,6 +88,9 @@ def test_local_run_writes_json_csv_and_plots(local_run: Path) -> None:
         assert all(0 < n["busy_share"] <= 1 and n["step_ms"] > 0 for n in scenario["nodes"])
         assert all(n["hop_rtt_ms"] > 0 for n in scenario["nodes"])  # pings and heartbeats
         assert scenario["ratios"]["mlx-lm"]["per_stream_throughput"] > 0
+    first = run["first_request"]  # the run's opening request, then 3 of its shape
+    assert first["prompt_tokens"] == PROMPTS[0] and len(first["warm_ttft_ms"]) == 3
+    assert first["ttft_ms"] > 0 and first["over_warm"] > 0 and first["cached_tokens"] == [0] * 4
     for row in run["cached_ttft"]:  # the follow-up turn starts from the conversation cache
         assert row["cached_tokens"] == row["prompt_tokens"] and row["cached_ttft_ms"] > 0
     assert [row["prompt_tokens"] for row in run["cached_ttft"]] == list(PROMPTS)
@@ -127,6 +130,7 @@ def test_url_run_gives_the_same_metric_set(
         assert scenario["metrics"]["auto_depth0_share"] == 0.0
     assert poisson["settings"]["rate"] == 8.0 and poisson["settings"]["concurrency"] is None
     assert "p16 c=2 sampled mtp" in done.stdout and "p16 rate=8/s sampled mtp" in done.stdout
+    assert "TTFT of the run's first request (p16)" in done.stdout
 
 
 def test_compare_two_runs(local_run: Path, tmp_path: Path) -> None:

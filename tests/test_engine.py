@@ -99,21 +99,29 @@ def test_small_prefill_chunks_give_the_same_tokens(model_dir, prompts, with_mtp)
 
 class _ChunkRecorder:
     """A pipeline that records the prefill steps it passes on (steps of more than one
-    confirmed position, or at position 0)."""
+    confirmed position, or at position 0), and the most of a request's steps in it at once."""
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
         self.prefill_sizes: dict[str, list[int]] = {}
+        self.in_flight: dict[str, int] = {}
+        self.most_in_flight: dict[str, int] = {}
 
     @property
     def max_context(self) -> int:
         return self.pipeline.max_context
 
     async def submit(self, step):
+        request = step.request_id.split(".")[0]
         if step.n_confirmed > 1 or step.position == 0:
-            request = step.request_id.split(".")[0]
             self.prefill_sizes.setdefault(request, []).append(len(step.tokens))
-        return await self.pipeline.submit(step)
+        self.in_flight[request] = self.in_flight.get(request, 0) + 1
+        most = max(self.most_in_flight.get(request, 0), self.in_flight[request])
+        self.most_in_flight[request] = most
+        try:
+            return await self.pipeline.submit(step)
+        finally:
+            self.in_flight[request] -= 1
 
     async def release(self, request_id: str) -> None:
         await self.pipeline.release(request_id)
@@ -122,8 +130,9 @@ class _ChunkRecorder:
 def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
     model_dir, prompts
 ) -> None:
-    """Alone, a prompt goes in `prefill_chunk` chunks; while another request decodes, in
-    `interleave_chunk` ones; the tokens are the same either way."""
+    """Alone, a prompt goes in `prefill_chunk` chunks, submitted together; while another
+    request decodes, in `interleave_chunk` ones, one at a time (a decode step then meets at
+    most one chunk in the pipeline); the tokens are the same either way."""
 
     async def go():
         local = await open_local_engine(model_dir)
@@ -144,13 +153,14 @@ def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
             await first_token.wait()
             joined = await engine.generate(GenerationRequest(long_prompt, 8, request_id="joined"))
             await running
-            return recorder.prefill_sizes, alone.tokens, joined.tokens
+            return recorder, alone.tokens, joined.tokens
         finally:
             local.close()
 
-    sizes, alone, joined = run(go())
-    assert sizes["alone"] == [16, 16, 8]
-    assert sizes["joined"] == [4] * 10
+    recorder, alone, joined = run(go())
+    assert recorder.prefill_sizes["alone"] == [16, 16, 8]
+    assert recorder.prefill_sizes["joined"] == [4] * 10
+    assert recorder.most_in_flight["alone"] == 3 and recorder.most_in_flight["joined"] == 1
     assert alone == joined
 
 

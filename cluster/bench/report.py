@@ -183,10 +183,24 @@ def table(report: dict[str, Any]) -> str:
             for n in scenario["nodes"]
         ]
         lines.append(f"  {scenario['name']:<{width}} " + "  ".join(parts))
+    lines += _first_request_lines(report)
     lines += _cached_lines(report)
     lines += _shared_prefix_lines(report)
     lines += _baseline_lines(report)
     return "\n".join(lines)
+
+
+def _first_request_lines(report: dict[str, Any]) -> list[str]:
+    first = report.get("first_request")
+    if not first:
+        return []
+    warm = ", ".join(f"{t:.0f}" for t in first["warm_ttft_ms"])
+    return [
+        "",
+        f"TTFT of the run's first request (p{first['prompt_tokens']}): {first['ttft_ms']:.0f} ms, "
+        f"{_cell(first['over_warm'], '{:.2f}')}x the next ones' median ({warm} ms); "
+        "the first request after start where the cluster was just started",
+    ]
 
 
 def _cached_lines(report: dict[str, Any]) -> list[str]:

@@ -300,7 +300,8 @@ class GenerationEngine:
         """The prompt from `entry`'s end (or from 0) in chunks, cut at the positions of
         `saves` (position -> snapshot id), where the chunk that ends keeps that snapshot."""
         prompt, size = request.prompt, self.prefill_chunk
-        if self._decoding and self.interleave_chunk:
+        interleaved = self._decoding > 0
+        if interleaved and self.interleave_chunk:
             size = min(size, self.interleave_chunk)
         begin = entry.length if entry else 0
         ends: list[int] = []
@@ -323,7 +324,8 @@ class GenerationEngine:
         ]
         if request.constraint is not None:
             steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
-        results = await _submit_all(self.pipeline, steps)
+        submit = _submit_in_turn if interleaved else _submit_all
+        results = await submit(self.pipeline, steps)
         return steps[-1], results[-1]
 
     # -- the conversation cache -------------------------------------------------------------
@@ -419,6 +421,14 @@ async def _submit_all(pipeline: Pipeline, steps: list[StepRequest]) -> list[Step
         for future in pending:
             future.cancel()
         raise
+
+
+async def _submit_in_turn(pipeline: Pipeline, steps: list[StepRequest]) -> list[StepResult]:
+    """Each after the one before it has come back: while other requests decode, a prompt's
+    chunks then hold one node at a time, and a decode step meets at most one of them on its way
+    through the pipeline. Chunks streaming through every node at once would make it wait
+    behind one on every node (a gap of several chunks where this costs one)."""
+    return [await pipeline.submit(step) for step in steps]
 
 
 def _run_id(request: GenerationRequest) -> str:

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 # Each request of a decode step: short (its decode is the point, and on a CPU a prompt
 # costs per position), and within the context.
 DECODE_PROMPT_TOKENS = 4
-SHORTEST_PREFILL = 16  # the shortest last chunk warmed; powers of four from here to the chunk
+SHORTEST_PREFILL = 4  # the shortest last chunk warmed; powers of four from here to the chunk
 CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # Every other request samples: these touch the filters (top-k, top-p, min-p) and the
 # seeded sampler that a user's request may ask for.
@@ -299,11 +299,11 @@ class WarmupProgress:
         )
 
 
-# A decode step that shares a batch with a prefill chunk waits for the chunk on every node,
-# and the next one may meet the next chunk at the head: the running streams' gap between
-# tokens while a prompt prefills is up to about twice the time of one chunk through the
-# pipeline. Kept within this many times a plain decode step, a gap stays within the 3x of a
-# stream's median that a user notices least.
+# While others decode, a prompt's chunks go through the pipeline one at a time (the engine's
+# `_submit_in_turn`): a decode step may wait for the chunk a node is running and share a batch
+# with it there, so the running streams' gap between tokens grows by up to about one chunk
+# through the pipeline. Kept within this many times a plain decode step, a gap stays within
+# the 3x of a stream's median that a user notices least.
 INTERLEAVE_BUDGET = 1.5
 CALIBRATION_TOKENS = 8  # decode tokens timed for the decode step
 
