@@ -198,8 +198,9 @@ def _first_request_lines(report: dict[str, Any]) -> list[str]:
     return [
         "",
         f"TTFT of the run's first request (p{first['prompt_tokens']}): {first['ttft_ms']:.0f} ms, "
-        f"{_cell(first['over_warm'], '{:.2f}')}x the next ones' median ({warm} ms); "
-        "the first request after start where the cluster was just started",
+        f"{_cell(first['over_warm'], '{:.2f}')}x the median of the next "
+        f"{len(first['warm_ttft_ms'])} ({warm} ms): what a cold start costs, on a cluster just "
+        "started",
     ]
 
 
