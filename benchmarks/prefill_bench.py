@@ -40,7 +40,7 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
-from cluster.decode.warmup import measure_interleave_chunk
+from cluster.decode.warmup import measure_chunks
 from cluster.messages import RequestOptions
 
 MTP_OFF = RequestOptions(mtp=False)
@@ -158,16 +158,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 report["itl_while_prefilling"] = []
                 chunks = args.itl_chunks
                 if not chunks:  # the chunk the coordinator would choose, measured as it does
-                    choice = await measure_interleave_chunk(
-                        nodes.pipeline, nodes.prefill_chunk, vocab
-                    )
-                    report["interleave_choice"] = {
+                    choice = await measure_chunks(nodes.pipeline, nodes.prefill_chunk, vocab)
+                    report["chunk_choice"] = {
                         "decode_step_ms": choice.decode_step_s * 1e3,
                         "prefill_ms": {n: s * 1e3 for n, s in choice.prefill_s.items()},
-                        "chunk": choice.chunk,
+                        "prefill_chunk": choice.prefill_chunk,
+                        "interleave_chunk": choice.interleave_chunk,
                     }
                     print(choice.line(), flush=True)
-                    chunks = [choice.chunk]
+                    chunks = [choice.interleave_chunk]
                 for chunk in chunks:
                     nodes.prefill_chunk = chunk
                     row = {"chunk": chunk}

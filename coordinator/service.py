@@ -19,7 +19,12 @@ from aiohttp import web
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from cluster.config import load_model_config
-from cluster.decode.engine import GenerationChunk, GenerationEngine, GenerationRequest
+from cluster.decode.engine import (
+    DEFAULT_PREFILL_CHUNK,
+    GenerationChunk,
+    GenerationEngine,
+    GenerationRequest,
+)
 from cluster.decode.prefix_index import PrefixIndex
 from cluster.decode.remote_pipeline import (
     DriverLink,
@@ -30,7 +35,7 @@ from cluster.decode.remote_pipeline import (
 from cluster.decode.warmup import (
     WarmupHook,
     WarmupProgress,
-    measure_interleave_chunk,
+    measure_chunks,
     plan_warmup,
     run_warmup,
 )
@@ -308,8 +313,10 @@ class Coordinator:
         async with self._warming:
             pipeline, generation = self.pipeline, self.generation
             assert pipeline is not None and generation is not None
+            # Each placement measures its chunks afresh, from the default one.
+            chunk = DEFAULT_PREFILL_CHUNK
             steps = plan_warmup(
-                prefill_chunk=generation.prefill_chunk,
+                prefill_chunk=chunk,
                 max_running=self.settings.max_running,
                 max_context=min(self.max_context or pipeline.max_context, pipeline.max_context),
                 mtp_depth=self.settings.mtp_depth,
@@ -322,18 +329,17 @@ class Coordinator:
                 await run_warmup(
                     pipeline,
                     steps,
-                    prefill_chunk=generation.prefill_chunk,
+                    prefill_chunk=chunk,
                     vocab_size=load_model_config(self.model_dir).text.vocab_size,
                     progress=self.warmup,
                     hook=hook,
                     say=say,
                 )
-                choice = await measure_interleave_chunk(
-                    pipeline,
-                    generation.prefill_chunk,
-                    load_model_config(self.model_dir).text.vocab_size,
+                choice = await measure_chunks(
+                    pipeline, chunk, load_model_config(self.model_dir).text.vocab_size
                 )
-                generation.interleave_chunk = choice.chunk
+                generation.prefill_chunk = choice.prefill_chunk
+                generation.interleave_chunk = choice.interleave_chunk
                 say(choice.line())
             except Exception as error:
                 if pipeline.failure is not None or pipeline is not self.pipeline:

@@ -32,6 +32,9 @@ from cluster.messages import RequestError, RequestOptions, StepRequest, StepResu
 # Each boundary snapshot holds a whole GatedDeltaNet state besides its KV, and cuts a prefill
 # chunk: a request keeps at most this many, its first boundary and its last (`boundaries`).
 MAX_BOUNDARY_SNAPSHOTS = 2
+# A prompt's chunk where nothing measured a better one (the coordinator measures it after
+# its warm-up: `cluster.decode.warmup.measure_chunks`).
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +107,14 @@ class GenerationEngine:
         self,
         pipeline: Pipeline,
         *,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefix_index: PrefixIndex | None = None,
     ):
         self.prefill_chunk = prefill_chunk
         # The chunk of a prompt that arrives while other requests decode (None: the same):
         # a decode step that shares a batch with a chunk waits for it on every node, so a
         # smaller chunk keeps the running streams' gaps between tokens short (measured at
-        # warm-up: `cluster.decode.warmup.measure_interleave_chunk`).
+        # warm-up: `cluster.decode.warmup.measure_chunks`).
         self.interleave_chunk: int | None = None
         self._decoding = 0  # requests past their prefill, not yet ended
         self.prefix_index = prefix_index  # the pipeline must be a PrefixPipeline too

@@ -26,6 +26,12 @@ class Pipeline(Protocol):
     @property
     def max_context(self) -> int: ...
 
+    @property
+    def stages(self) -> int:
+        """How many of its stages compute at once, on different steps (a prompt's chunks
+        stream through them): its nodes, or 1 where one process runs the shards in turn."""
+        ...
+
     async def submit(self, step: StepRequest) -> StepResult: ...
 
     async def release(self, request_id: str) -> None: ...
@@ -91,6 +97,10 @@ class LocalPipeline:
     @property
     def max_context(self) -> int:
         return self._max_context
+
+    @property
+    def stages(self) -> int:
+        return 1  # its shards run one after another on the process's one MLX thread
 
     async def submit(self, step: StepRequest) -> StepResult:
         future = asyncio.get_running_loop().create_future()

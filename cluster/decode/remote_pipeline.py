@@ -118,6 +118,10 @@ class RemotePipeline:
         return self._max_context
 
     @property
+    def stages(self) -> int:
+        return len(self.clients)
+
+    @property
     def transports(self) -> dict[str, object]:
         """The streams in use: "tcp" or "grpc" for the steps and for each node's results."""
         return {

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -308,20 +309,32 @@ INTERLEAVE_BUDGET = 1.5
 CALIBRATION_TOKENS = 8  # decode tokens timed for the decode step
 
 
+# The prefill chunks measured: those up to the configured one always (its warm-up times them),
+# longer ones only where the one below took at most LONGER_CHUNK_BUDGET_S through the pipeline
+# (a GPU; on a CPU, where a token costs what it costs in any chunk, they would only add
+# seconds to every start). Chosen for a prompt of LONG_PROMPT tokens (or the context).
+LONGER_CHUNKS = (1024, 2048)
+LONGER_CHUNK_BUDGET_S = 0.5
+LONG_PROMPT = 16384
+
+
 @dataclass(frozen=True, slots=True)
-class InterleaveChoice:
-    """The measurement behind `GenerationEngine.interleave_chunk`: seconds of one decode
-    step and of each prefill length through the pipeline, and the chunk chosen."""
+class ChunkChoice:
+    """The measurement behind `GenerationEngine.prefill_chunk` and `interleave_chunk`: seconds
+    of one decode step and of a prefill of each length through the pipeline (of `stages`
+    stages that run at once), and the chunks chosen."""
 
     decode_step_s: float
     prefill_s: dict[int, float]
-    chunk: int
+    stages: int
+    prefill_chunk: int
+    interleave_chunk: int
 
     def line(self) -> str:
         timed = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in sorted(self.prefill_s.items()))
         return (
-            f"prefill chunk while others decode: {self.chunk} tokens (decode step "
-            f"{self.decode_step_s * 1e3:.1f} ms; prefill {timed})"
+            f"prefill chunk {self.prefill_chunk} tokens, {self.interleave_chunk} while others "
+            f"decode (decode step {self.decode_step_s * 1e3:.1f} ms; prefill {timed})"
         )
 
 
@@ -332,27 +345,58 @@ def choose_interleave_chunk(decode_step_s: float, prefill_s: dict[int, float]) -
     return max(fits) if fits else min(prefill_s)
 
 
-async def measure_interleave_chunk(
-    pipeline: Pipeline, prefill_chunk: int, vocab_size: int
-) -> InterleaveChoice:
+def choose_prefill_chunk(
+    prefill_s: dict[int, float], candidates: list[int], stages: int, prompt: int
+) -> int:
+    """The candidate chunk that prefills a `prompt`-token prompt soonest by the timings: its
+    chunks stream through `stages` stages, each running its share of a chunk's time, so the
+    prompt takes (chunks + stages - 1) of those shares. Short chunks keep more stages busy at
+    once; long ones pay each step's fixed costs less often."""
+
+    def predicted_s(chunk: int) -> float:
+        return (math.ceil(prompt / chunk) + stages - 1) * prefill_s[chunk] / stages
+
+    return min(candidates, key=predicted_s)
+
+
+async def measure_chunks(pipeline: Pipeline, prefill_chunk: int, vocab_size: int) -> ChunkChoice:
     """Time, on a warm pipeline, one request's decode step and a prefill of each length in
-    powers of four from SHORTEST_PREFILL to the chunk (the second run of each shape, the
-    warm-up having run the first), and choose the chunk for prompts that arrive while others
-    decode. Within the context of `pipeline`."""
+    powers of four from SHORTEST_PREFILL to `prefill_chunk` (the second run of each shape, the
+    warm-up having run the first) and, where cheap, of LONGER_CHUNKS (each run twice, the
+    first building it); choose the prefill chunk, and the chunk for prompts that arrive while
+    others decode. Within the context of `pipeline`."""
     engine = GenerationEngine(pipeline, prefill_chunk=prefill_chunk)  # no conversation cache
     off = RequestOptions(mtp=False)
-    lengths = [n for n in prefill_lengths(prefill_chunk, pipeline.max_context) if n < prefill_chunk]
-    lengths += [prefill_chunk] if prefill_chunk < pipeline.max_context else []
+    context = pipeline.max_context
+    lengths = [n for n in prefill_lengths(prefill_chunk, context) if n < prefill_chunk]
+    lengths += [prefill_chunk] if prefill_chunk < context else []
     prompt = synthetic_prompt(DECODE_PROMPT_TOKENS, 0, vocab_size)
     out = await engine.generate(GenerationRequest(prompt, CALIBRATION_TOKENS + 1, off))
     decode_step_s = 1.0 / out.generation_tps if out.generation_tps else 0.0
-    prefill_s = {}
-    for n in lengths:
-        first = await engine.generate(GenerationRequest(synthetic_prompt(n, 1, vocab_size), 1, off))
-        prefill_s[n] = first.time_to_first_token_s
-    return InterleaveChoice(
-        decode_step_s, prefill_s, choose_interleave_chunk(decode_step_s, prefill_s)
-    )
+
+    async def prefill_s(n: int, runs: int = 1) -> float:
+        engine.prefill_chunk = n
+        for _ in range(runs):
+            request = GenerationRequest(synthetic_prompt(n, 1, vocab_size), 1, off)
+            first = await engine.generate(request)
+        return first.time_to_first_token_s
+
+    timed = {n: await prefill_s(n) for n in lengths}
+    interleave = choose_interleave_chunk(decode_step_s, timed)
+    candidates = [n for n in timed if n >= min(prefill_chunk, 256)]
+    for n in LONGER_CHUNKS:
+        below = candidates[-1] if candidates else None
+        if n <= prefill_chunk or n + 1 > context or below is None:
+            continue
+        if timed[below] > LONGER_CHUNK_BUDGET_S:
+            break
+        timed[n] = await prefill_s(n, runs=2)
+        candidates.append(n)
+    stages = pipeline.stages
+    chosen = prefill_chunk
+    if candidates:
+        chosen = choose_prefill_chunk(timed, candidates, stages, min(LONG_PROMPT, context - 1))
+    return ChunkChoice(decode_step_s, timed, stages, chosen, min(interleave, chosen))
 
 
 # Called before each step (`progress.step` names it) and once more at the end: a test
