@@ -117,24 +117,21 @@ async def _or_error(part: Awaitable[list[dict[str, Any]]]) -> tuple[list[dict[st
 
 
 async def _first_requests(client: Client, plan: BenchPlan, prompts: PromptSource) -> dict[str, Any]:
-    """The bench's opening request, shaped as its first scenario's (one at a time, a few
-    tokens), then `FIRST_REQUEST_REPEATS` more of that shape, each its own prompt. On a cluster
-    just started (`--local`, or the first client of a fresh `cluster up`) the first is the first
-    request after start: its TTFT over the others' median is what a cold start costs a user.
-    Elsewhere it opens the run, as a warm-up would."""
+    """The bench's opening request (the shortest prompt of its scenarios, sampled and with MTP
+    as the first one; a few tokens, alone), then `FIRST_REQUEST_REPEATS` more of that shape,
+    each its own prompt. On a cluster just started (`--local`, or the first client of a fresh
+    `cluster up`) the first is the first request after start: its TTFT over the others'
+    median is what a cold start costs a user. Elsewhere it opens the run, as a warm-up would."""
     first = plan.scenarios[0]
-    shape = Scenario(
-        first.prompt_tokens, TTFT_MAX_TOKENS, 1, first.sampled, first.mtp, concurrency=1
-    )
+    length = min(s.prompt_tokens for s in plan.scenarios)
+    shape = Scenario(length, TTFT_MAX_TOKENS, 1, first.sampled, first.mtp, concurrency=1)
     records = []
     for _ in range(1 + FIRST_REQUEST_REPEATS):
-        (record,), _ = await _run_checked(
-            client, shape, [prompts.take(first.prompt_tokens)], plan.seed
-        )
+        (record,), _ = await _run_checked(client, shape, [prompts.take(length)], plan.seed)
         records.append(record)
     warm = sorted(r.ttft for r in records[1:])[len(records[1:]) // 2]
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": length,
         "ttft_ms": records[0].ttft * 1000,
         "warm_ttft_ms": [r.ttft * 1000 for r in records[1:]],
         "over_warm": records[0].ttft / warm if warm > 0 else None,
