@@ -430,7 +430,9 @@ async def _submit_in_turn(pipeline: Pipeline, steps: list[StepRequest]) -> list[
     """Each after the one before it has come back: while other requests decode, a prompt's
     chunks then hold one node at a time, and a decode step meets at most one of them on its way
     through the pipeline. Chunks streaming through every node at once would make it wait
-    behind one on every node (a gap of several chunks where this costs one)."""
+    behind one on every node (a gap of several chunks where this costs one). Sending each
+    chunk right behind a round of the others' decode steps prefilled 1.7x faster on the
+    CPU, but made their p99 gap a third longer."""
     return [await pipeline.submit(step) for step in steps]
 
 
