@@ -2,7 +2,8 @@
 
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
-so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down), then
+so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down; while
+other requests decode, in the smaller interleave chunk and one at a time), then
 decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
 tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
 result says how many positions stay, and the difference travels on the next step as its
