@@ -113,9 +113,9 @@ class GenerationEngine:
     ):
         self.prefill_chunk = prefill_chunk
         # The chunk of a prompt that arrives while other requests decode (None: the same):
-        # a decode step that shares a batch with a chunk waits for it on every node, so a
-        # smaller chunk keeps the running streams' gaps between tokens short (measured at
-        # warm-up: `cluster.decode.warmup.measure_chunks`).
+        # a decode step that shares a batch with a chunk waits for it, so a smaller chunk
+        # keeps the running streams' gaps between tokens short (measured after the warm-up:
+        # `cluster.decode.warmup.measure_chunks`).
         self.interleave_chunk: int | None = None
         self._decoding = 0  # requests past their prefill, not yet ended
         self.prefix_index = prefix_index  # the pipeline must be a PrefixPipeline too
