@@ -98,6 +98,7 @@ class Run:
     verdicts: tuple[tuple[int, int], ...]  # (drafts verified, accepted) of each decode step
     mode: str = "greedy"
     gaps: tuple[float, ...] = ()  # seconds between the chunks of the stream
+    cpu_gaps: tuple[float, ...] = ()  # the process's CPU seconds between them
 
 
 def _options(variant: str, sampling: SamplingParams) -> RequestOptions:
@@ -123,9 +124,10 @@ async def _decode(
     (w0, c0), (w1, c1) = stamps[0], stamps[-1]
     after = tokens - 1
     gaps = tuple(b[0] - a[0] for a, b in itertools.pairwise(stamps))
+    cpu_gaps = tuple(b[1] - a[1] for a, b in itertools.pairwise(stamps))
     return Run(
         variant, 0, 0, tokens, after / (w1 - w0), after / (c1 - c0), chunk.drafted,
-        chunk.accepted, tuple(verdicts), gaps=gaps,
+        chunk.accepted, tuple(verdicts), gaps=gaps, cpu_gaps=cpu_gaps,
     )  # fmt: skip
 
 
@@ -437,6 +439,7 @@ async def oracle_table(
                 tps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
                 auto_runs: list[Run] = []
                 gaps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
+                profiles: list[dict] = []
                 for _ in range(rounds):
                     shuffled = list(ORACLE_VARIANTS)
                     order.shuffle(shuffled)
@@ -444,6 +447,7 @@ async def oracle_table(
                         run = await _decode(local.engine, prompt, variant, max_tokens, GREEDY)
                         tps[variant].append(run.decode_tps)
                         gaps[variant].extend(run.gaps[1:])
+                        profiles.append(step_profile(run) | {"round": len(tps[variant]) - 1})
                         if variant == "auto":
                             auto_runs.append(run)
             finally:
@@ -457,11 +461,17 @@ async def oracle_table(
             }
             table[str(rate)]["auto"]["choices"] = auto_choices(auto_runs)
             table[str(rate)]["rounds"] = {v: [round(t, 2) for t in tps[v]] for v in tps}
-            # Each auto step: (drafts, ms since the last token), to see where it loses.
+            # Each auto step: (drafts, wall ms since the last token, CPU ms), to see where it
+            # loses; each run's plain and drafting steps, wall and CPU (a host-side slowdown
+            # raises both, a wait on the device only the first).
             table[str(rate)]["auto_steps"] = [
-                [(d, round(g * 1e3, 1)) for (d, _), g in zip(run.verdicts, run.gaps, strict=False)]
+                [
+                    (d, round(g * 1e3, 1), round(c * 1e3, 1))
+                    for (d, _), g, c in zip(run.verdicts, run.gaps, run.cpu_gaps, strict=False)
+                ]
                 for run in auto_runs
             ]
+            table[str(rate)]["runs"] = profiles
             table[str(rate)]["round_cost"] = _round_curve(local)
             table[str(rate)]["median_gap_ms"] = {
                 v: round(median(g) * 1e3, 2) for v, g in gaps.items() if g
@@ -481,6 +491,24 @@ def _round_curve(local) -> dict:
         str(b): {str(p): [round(s * 1e3, 2), n] for p, (s, n) in curve.items()}
         for b, curve in tail.rounds.cost.curve().items()
     }
+
+
+def step_profile(run: Run) -> dict:
+    """A run's decode steps by kind: how many, and their median wall and CPU milliseconds
+    (the first gap, after the prompt's last chunk, left out)."""
+    kinds: dict[str, list[tuple[float, float]]] = {"plain": [], "drafting": []}
+    steps = zip(run.verdicts, run.gaps[1:], run.cpu_gaps[1:], strict=False)
+    for (drafted, _), wall, cpu in steps:
+        kinds["drafting" if drafted else "plain"].append((wall, cpu))
+    profile: dict = {"variant": run.variant, "tps": round(run.decode_tps, 2)}
+    for kind, steps_of_kind in kinds.items():
+        if steps_of_kind:
+            profile[kind] = {
+                "steps": len(steps_of_kind),
+                "wall_ms": round(median([w for w, _ in steps_of_kind]) * 1e3, 2),
+                "cpu_ms": round(median([c for _, c in steps_of_kind]) * 1e3, 2),
+            }
+    return profile
 
 
 def auto_choices(runs: list[Run]) -> dict:
