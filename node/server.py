@@ -80,6 +80,7 @@ def device_name() -> str:
 
 
 MEMORY_CAP_BYTES: int | None = None  # NodeSettings.memory_cap_bytes of the node running here
+MEMORY_SHARE = 1.0  # NodeSettings.memory_share of the node running here
 
 
 @functools.cache
@@ -95,15 +96,17 @@ def discrete_gpu_memory_bytes() -> int | None:
 
 
 def total_memory_bytes() -> int:
-    """The memory that bounds this node's weights and caches (at most `--memory-gb`): a
-    discrete GPU's own, not the host's, which may be larger (a host of 256 GB with a 141 GB
-    GPU would plan caches and MLX's buffer cache that the GPU cannot hold)."""
+    """The memory that bounds this node's weights and caches: its `--memory-share` of the
+    machine's, at most `--memory-gb`. On a discrete GPU the GPU's own, not the host's, which
+    may be larger (a host of 256 GB with a 141 GB GPU would plan caches and MLX's buffer
+    cache that the GPU cannot hold)."""
     total = discrete_gpu_memory_bytes()
     if total is None:
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError):
             total = 0
+    total = int(total * MEMORY_SHARE)
     return min(total, MEMORY_CAP_BYTES) if MEMORY_CAP_BYTES is not None else total
 
 
@@ -130,9 +133,10 @@ class NodeSettings:
     request caches' and prefix snapshots' memory unless a LoadShard names others (None:
     unlimited, and the runner's default). A request idle for `idle_timeout_s` has its caches
     freed. `advertise`: announce the node over mDNS. `memory_cap_bytes`: report at most this
-    much memory to the planner (None: the machine's). `spin_s`: how long its MLX thread stays
-    awake for the next step (`MLXWorker`; None: the backend's default). `build_ahead`:
-    whether it builds its next step before the step's message comes
+    much memory to the planner (None: the machine's). `memory_share`: the share of the
+    machine's memory it plans within (nodes sharing one machine). `spin_s`: how long its MLX
+    thread stays awake for the next step (`MLXWorker`; None: the backend's default).
+    `build_ahead`: whether it builds its next step before the step's message comes
     (`cluster.decode.late_input.late_input_for`)."""
 
     token: str = field(repr=False)  # the cluster secret: kept out of logs
@@ -145,6 +149,7 @@ class NodeSettings:
     idle_timeout_s: float = 600.0
     advertise: bool = False
     memory_cap_bytes: int | None = None
+    memory_share: float = 1.0
     spin_s: float | None = None
     build_ahead: str = "auto"
 
@@ -467,8 +472,8 @@ async def serve(
 ) -> None:
     """Run a node until cancelled; `ready` is set once it listens. Raises OSError when it
     cannot listen on `settings.host`:`settings.port`."""
-    global MEMORY_CAP_BYTES
-    MEMORY_CAP_BYTES = settings.memory_cap_bytes
+    global MEMORY_CAP_BYTES, MEMORY_SHARE
+    MEMORY_CAP_BYTES, MEMORY_SHARE = settings.memory_cap_bytes, settings.memory_share
     host, port, token, tls = settings.host, settings.port, settings.token, settings.tls
     service = NodeService(settings, weights_store)
     node_id = service.node_id

@@ -68,3 +68,11 @@ def test_the_cpu_backend_counts_the_machine_memory_and_resident_bytes() -> None:
     assert server.discrete_gpu_memory_bytes() is None
     assert server.total_memory_bytes() == HOST_BYTES
     assert server.process_memory_bytes() > 0
+
+
+def test_nodes_sharing_a_gpu_each_plan_within_their_share(monkeypatch) -> None:
+    monkeypatch.setattr(server, "mx", fake_mlx(metal=False, info={"total_memory": GPU_BYTES}))
+    monkeypatch.setattr(server, "MEMORY_SHARE", 0.5)
+    assert server.total_memory_bytes() == GPU_BYTES // 2
+    monkeypatch.setattr(server, "MEMORY_CAP_BYTES", 40 * 10**9)  # and the cap bounds that
+    assert server.total_memory_bytes() == 40 * 10**9

@@ -222,6 +222,9 @@ def test_status_lists_every_node_with_its_layers(up: Up):
     ranges = [(n["start"], n["end"]) for n in nodes]  # pipeline order: contiguous from 0
     assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert all(start < end for start, end in ranges) and ranges[-1][1] == 8
+    # The three nodes share this machine: each plans within a third of its memory.
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert all(abs(n["memory_total_bytes"] - machine / 3) < 2**20 for n in nodes), nodes
 
     result = subprocess.run(
         [sys.executable, "-m", "cluster", "status", "--url", up.url],

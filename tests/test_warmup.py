@@ -54,15 +54,15 @@ def test_the_plan_covers_each_prefill_length_batch_size_and_depth():
         prefill_chunk=512, max_running=8, max_context=8192, mtp_depth=1, has_mtp=True
     )
     # Shorter last chunks, then a full chunk followed by a chunk at an offset.
-    assert prefill_lengths(512, 8192) == [4, 16, 64, 256, 516]
+    assert prefill_lengths(512, 8192) == [4, 8, 16, 32, 64, 128, 256, 516]
     shapes = planned_shapes(steps)
     assert {s for s in shapes if s[0] == "prefill"} == {
-        ("prefill", n, True, 1) for n in (4, 16, 64, 256, 516)
+        ("prefill", n, True, 1) for n in (4, 8, 16, 32, 64, 128, 256, 516)
     }
     assert {s for s in shapes if s[0] == "decode"} == {
         ("decode", k, mtp, depth) for k in range(1, 9) for mtp, depth in ((False, 0), (True, 1))
     }
-    assert [s.label for s in steps][5] == "decode batch 1 (MTP off, MTP depth 1)"
+    assert [s.label for s in steps][8] == "decode batch 1 (MTP off, MTP depth 1)"
 
     auto = plan_warmup(
         prefill_chunk=512, max_running=2, max_context=8192, mtp_depth="auto", has_mtp=True
@@ -76,7 +76,9 @@ def test_the_plan_covers_each_prefill_length_batch_size_and_depth():
     )
     assert planned_shapes(without_mtp) == {
         ("prefill", 4, False, 0),
+        ("prefill", 8, False, 0),
         ("prefill", 16, False, 0),
+        ("prefill", 32, False, 0),
         ("prefill", 68, False, 0),
         ("decode", 1, False, 0),
         ("decode", 2, False, 0),

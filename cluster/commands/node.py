@@ -33,6 +33,14 @@ from node.server import NodeSettings, serve
     help="Report at most this much memory to the planner [default: the machine's].",
 )
 @click.option(
+    "--memory-share",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="The share of the machine's memory (its GPU's, on CUDA) this node plans within: "
+    "nodes that share one machine (`cluster up --local N`: 1/N each).",
+)
+@click.option(
     "--cache-budget-gb",
     type=float,
     default=None,
@@ -94,6 +102,7 @@ def node_command(
     token_file: Path | None,
     node_id: str | None,
     memory_gb: float | None,
+    memory_share: float,
     cache_budget_gb: float | None,
     prefix_cache_gb: float | None,
     idle_timeout: float,
@@ -117,6 +126,8 @@ def node_command(
         raise click.UsageError("give the cluster secret: --token-file, --token or CLUSTER_TOKEN")
     if memory_gb is not None and memory_gb <= 0:
         raise click.BadParameter("--memory-gb must be positive")
+    if not 0 < memory_share <= 1:
+        raise click.BadParameter(f"--memory-share must be in (0, 1], got {memory_share:g}")
     budget = int(cache_budget_gb * 2**30) if cache_budget_gb is not None else None
     if prefix_cache_gb is not None and prefix_cache_gb < 0:
         raise click.BadParameter("--prefix-cache-gb must be >= 0")
@@ -144,6 +155,7 @@ def node_command(
             idle_timeout_s=idle_timeout,
             advertise=advertise,
             memory_cap_bytes=int(memory_gb * 2**30) if memory_gb is not None else None,
+            memory_share=memory_share,
             spin_s=spin_ms / 1e3 if spin_ms is not None else None,
             build_ahead=build_ahead,
         )

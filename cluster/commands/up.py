@@ -174,8 +174,11 @@ def up_local(
     # SIGTERM (kill, a service manager) stops everything as Ctrl-C does; by default it would
     # end this process at once, skipping the `finally` below and leaving the nodes running.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # The nodes share this machine (and its one GPU, where MLX runs on CUDA): each plans its
+    # caches, snapshots and MLX's buffer cache within its share, or together they overrun it.
+    share = [f"--memory-share={1 / count:.6f}"] if count > 1 else []
     try:
-        procs, ports = _start_local_nodes(count, env, tls)
+        procs, ports = _start_local_nodes(count, env, [*tls, *share])
     except KeyboardInterrupt:
         return
     try:

@@ -9,7 +9,7 @@ are cold), the coordinator drives synthetic requests through its real pipeline, 
 node runs, through the same code as a user's request:
 
 - prefill: one request per prompt length of `prefill_lengths`: shorter last chunks in
-  powers of four, and a prompt of a full chunk and a short one (the engine's chunk, then a
+  powers of two, and a prompt of a full chunk and a short one (the engine's chunk, then a
   chunk at an offset, attending over the cache), with MTP where the model has it (the decode
   steps' own prompts take the path without it);
 - decode: for each batch size k = 1 .. `max_running` (the admission limit), k requests at
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # Each request of a decode step: short (its decode is the point, and on a CPU a prompt
 # costs per position), and within the context.
 DECODE_PROMPT_TOKENS = 4
-SHORTEST_PREFILL = 4  # the shortest last chunk warmed; powers of four from here to the chunk
+SHORTEST_PREFILL = 4  # the shortest last chunk warmed; powers of two from here to the chunk
 CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # Every other request samples: these touch the filters (top-k, top-p, min-p) and the
 # seeded sampler that a user's request may ask for.
@@ -135,14 +135,19 @@ class Driven:
 
 
 def prefill_lengths(prefill_chunk: int, max_context: int) -> list[int]:
-    """Prompt lengths whose prefill the warm-up runs: powers of four from SHORTEST_PREFILL
-    below the chunk (shorter last chunks: a GPU's matmuls pick their kernel by row-count
-    ranges), then a full chunk and a short one (the chunk's shape, and a chunk at an offset
-    that attends over the cache); within the context."""
+    """Prompt lengths whose prefill the warm-up runs: powers of two from SHORTEST_PREFILL
+    below the chunk (shorter last chunks), then a full chunk and a short one (the chunk's
+    shape, and a chunk at an offset that attends over the cache); within the context.
+
+    MLX on CUDA builds a quantized matmul's kernel per range of row counts, the first time a
+    range meets it: 33-37 s each at the 27B shape on an H200 with nothing cached, a few
+    hundred milliseconds where another process of the host cached it. Powers of four left
+    ranges between them (rows 8 and 24 each built a kernel after 4, 16 and 64 had run), so a
+    first prompt or a held-back run of MTP pairs of such a length waited for one."""
     lengths, n = [], SHORTEST_PREFILL
     while n < prefill_chunk:
         lengths.append(n)
-        n *= 4
+        n *= 2
     lengths.append(prefill_chunk + min(SHORTEST_PREFILL, prefill_chunk))
     # Room for the one token each prefill request samples.
     return [n for n in lengths if n < max_context]
@@ -364,7 +369,7 @@ def choose_prefill_chunk(
 
 async def measure_chunks(pipeline: Pipeline, prefill_chunk: int, vocab_size: int) -> ChunkChoice:
     """Time, on a warm pipeline, one request's decode step and a prefill of each length in
-    powers of four from SHORTEST_PREFILL to `prefill_chunk` (the second run of each shape, the
+    powers of two from SHORTEST_PREFILL to `prefill_chunk` (the second run of each shape, the
     warm-up having run the first) and, where cheap, of LONGER_CHUNKS (each run twice, the
     first building it); choose the prefill chunk, and the chunk for prompts that arrive while
     others decode. Within the context of `pipeline`."""
