@@ -11,6 +11,7 @@ import json
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -282,3 +283,40 @@ def test_a_failed_cache_part_is_reported_beside_the_scenarios() -> None:
     text = report.table(run)
     assert "p64 c=1 sampled mtp" in text
     assert "chats sharing a system prompt: not measured (HTTP 400: no chat template)" in text
+
+
+def test_a_failed_scenario_is_reported_and_the_others_kept(arun, monkeypatch) -> None:
+    """A scenario whose every request fails (a node out of memory at a long prompt) costs
+    that scenario only: the others are measured, the table names it, and the command fails
+    after writing them."""
+    from cluster.bench import benchmark
+
+    async def get_json(self, path: str) -> dict:
+        return {"nodes": []} if path == "/api/cluster" else {"data": [{"id": "m"}]}
+
+    async def run_checked(client, scenario, batch, seed, on_done=None):
+        if scenario.prompt_tokens > 100:
+            raise benchmark.BenchError(f"every request of {scenario.name} failed: HTTP 400")
+        return [_record(0.1, 0.5, 5, [0.1, 0.3], prompt=scenario.prompt_tokens)], 1.0
+
+    async def nothing(*args, **kwargs):
+        return {}
+
+    async def no_rows(*args, **kwargs):
+        return []
+
+    monkeypatch.setattr(benchmark.Client, "get_json", get_json)
+    monkeypatch.setattr(benchmark, "_run_checked", run_checked)
+    monkeypatch.setattr(benchmark, "counters_since", nothing)
+    monkeypatch.setattr(benchmark, "_first_requests", nothing)
+    monkeypatch.setattr(benchmark, "_cached_ttft", no_rows)
+    monkeypatch.setattr(benchmark, "_shared_prefix_ttft", no_rows)
+    short, long = (Scenario(n, 8, 1, False, True, concurrency=1) for n in (64, 4096))
+    plan = benchmark.BenchPlan(Path("m"), 8192, (short, long, short))
+    prompts = SimpleNamespace(take=lambda n: (1,) * n)
+    run = arun(benchmark.run_benchmark("http://127.0.0.1:1", plan, prompts))
+    assert [s["name"] for s in run["scenarios"]] == [short.name, short.name]
+    assert report.failed_scenarios(run) == [long.name]
+    assert f"{long.name} not measured: every request of {long.name} failed" in report.table(
+        run | {"hardware": [], "versions": {}}
+    )

@@ -73,11 +73,22 @@ async def run_benchmark(
         first_request = await _first_requests(client, plan, prompts)
         after = await counters_since(client, time.monotonic())
         results = []
+        errors: dict[str, str] = {}
         for scenario in plan.scenarios:
             batch = [prompts.take(scenario.prompt_tokens) for _ in range(scenario.requests)]
             before = after  # read after the nodes went idle: valid at the scenario's start
-            records, wall = await _run_checked(client, scenario, batch, plan.seed, on_request_done)
+            try:
+                records, wall = await _run_checked(
+                    client, scenario, batch, plan.seed, on_request_done
+                )
+            except BenchError as error:
+                # The server answered the opening requests: this scenario's shape failed (a
+                # node out of memory at a long prompt, say). The others stand without it.
+                errors[scenario.name] = str(error)
+                records = []
             after = await counters_since(client, time.monotonic())
+            if not records:
+                continue
             results.append(  # TTFT here is uncached: no two prompts share a prefix
                 {
                     "name": scenario.name,
@@ -88,8 +99,10 @@ async def run_benchmark(
                 }
             )
         # Each of these reports its own failure: the scenarios above stand without them.
-        cached, cached_error = await _or_error(_cached_ttft(client, plan, prompts))
-        shared, shared_error = await _or_error(_shared_prefix_ttft(client, plan, prompts))
+        cached, errors["cached_ttft"] = await _or_error(_cached_ttft(client, plan, prompts))
+        shared, errors["shared_prefix_ttft"] = await _or_error(
+            _shared_prefix_ttft(client, plan, prompts)
+        )
     finally:
         await client.close()
     return {
@@ -100,11 +113,7 @@ async def run_benchmark(
         "scenarios": results,
         "cached_ttft": cached,
         "shared_prefix_ttft": shared,
-        "errors": {
-            name: error
-            for name, error in (("cached_ttft", cached_error), ("shared_prefix_ttft", shared_error))
-            if error
-        },
+        "errors": {name: error for name, error in errors.items() if error},
     }
 
 

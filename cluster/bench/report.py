@@ -160,6 +160,13 @@ def write(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return [json_path, csv_path]
 
 
+def failed_scenarios(report: dict[str, Any]) -> list[str]:
+    """The scenarios whose every request failed (`errors` also holds the follow-up and
+    shared-prefix parts' failures)."""
+    parts = ("cached_ttft", "shared_prefix_ttft")
+    return [name for name in report.get("errors", {}) if name not in parts]
+
+
 def table(report: dict[str, Any]) -> str:
     """The terminal table: one line per scenario, then each node's share of the work."""
     report = complete(report)
@@ -174,6 +181,8 @@ def table(report: dict[str, Any]) -> str:
         failed = scenario["metrics"]["failed"]
         if failed:
             lines.append(f"  {failed} request(s) failed")
+    for name in failed_scenarios(report):
+        lines.append(f"{name:<{width}} not measured: {report['errors'][name]}")
     lines.append("")
     lines.append("per node, head first: step ms / busy share / RTT of the hop into it (ms)")
     for scenario in report["scenarios"]:

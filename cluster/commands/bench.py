@@ -175,6 +175,9 @@ def bench_command(
     click.echo(report.table(result))
     if out_dir is not None:
         _write(result, out_dir)
+    failed = report.failed_scenarios(result)
+    if failed:  # after the others were printed and written
+        raise click.ClickException(f"{len(failed)} scenario(s) failed: {', '.join(failed)}")
 
 
 def _scenarios(
