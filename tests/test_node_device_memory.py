@@ -76,3 +76,13 @@ def test_nodes_sharing_a_gpu_each_plan_within_their_share(monkeypatch) -> None:
     assert server.total_memory_bytes() == GPU_BYTES // 2
     monkeypatch.setattr(server, "MEMORY_CAP_BYTES", 40 * 10**9)  # and the cap bounds that
     assert server.total_memory_bytes() == 40 * 10**9
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-0.5"])
+def test_a_share_outside_zero_to_one_is_refused(share: str) -> None:
+    from click.testing import CliRunner
+
+    from cluster.cli import main
+
+    result = CliRunner().invoke(main, ["node", "--token", "t", f"--memory-share={share}"])
+    assert result.exit_code == 2 and "--memory-share must be in (0, 1]" in result.output
