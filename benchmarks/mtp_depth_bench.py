@@ -74,6 +74,7 @@ from cluster.decode.runner import ShardRunner, mtp_lookahead_default
 from cluster.messages import RequestOptions, SamplingParams
 
 WAITING = "1-waits"
+AHEAD = "1-ahead"  # depth 1 with each step built ahead of its verdict, whatever the backend
 MLX_LM = "mlx-lm"
 VARIANTS = ("off", "0", "1", WAITING, "2", "3", "4", "auto", MLX_LM)
 MODES = {"greedy": 0.0, "sampled": SAMPLED_TEMPERATURE}
@@ -160,13 +161,11 @@ async def measure_runs(
     local = await open_local_engine(model_dir, mtp=True)
     order = random.Random(13)
     runs: list[Run] = []
-    ahead = mtp_lookahead_default()
 
     async def decode(ids, variant: str, max_tokens: int, sampling=GREEDY) -> Run:
         if variant == MLX_LM:
             return _mlx_lm_decode(lm, ids, max_tokens, sampling)
-        for runner in local.runners:
-            runner.mtp_lookahead = ahead and variant != WAITING
+        set_lookahead(local, variant)
         return await _decode(local.engine, ids, variant, max_tokens, sampling)
 
     try:
@@ -415,8 +414,21 @@ def steps_and_keep(runner: ShardRunner, ids: tuple[int, ...], iters: int, lm_mod
 ORACLE_VARIANTS = ("off", "1", "2", "3", "auto")
 
 
+def set_lookahead(local, variant: str) -> None:
+    """Build MTP steps ahead of their verdict as the backend does by default (`1`), never
+    (`1-waits`) or always (`1-ahead`)."""
+    ahead = variant == AHEAD or (mtp_lookahead_default() and variant != WAITING)
+    for runner in local.runners:
+        runner.mtp_lookahead = ahead
+
+
 async def oracle_table(
-    model_dir: Path, prompt: tuple[int, ...], rates: list[float], rounds: int, max_tokens: int
+    model_dir: Path,
+    prompt: tuple[int, ...],
+    rates: list[float],
+    rounds: int,
+    max_tokens: int,
+    variants: tuple[str, ...] = ORACLE_VARIANTS,
 ) -> dict:
     """Part 4: decode tokens/s at fixed acceptance rates. The tail's verdict on each draft is
     drawn at the rate (`benchmarks.oracle_node`'s oracle) instead of tested, so the rate holds
@@ -436,14 +448,15 @@ async def oracle_table(
         for rate in rates:
             previous = install_oracle(rate, seed=int(rate * 100))
             try:
-                tps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
+                tps: dict[str, list[float]] = {v: [] for v in variants}
                 auto_runs: list[Run] = []
-                gaps: dict[str, list[float]] = {v: [] for v in ORACLE_VARIANTS}
+                gaps: dict[str, list[float]] = {v: [] for v in variants}
                 profiles: list[dict] = []
                 for _ in range(rounds):
-                    shuffled = list(ORACLE_VARIANTS)
+                    shuffled = list(variants)
                     order.shuffle(shuffled)
                     for variant in shuffled:
+                        set_lookahead(local, variant)
                         run = await _decode(local.engine, prompt, variant, max_tokens, GREEDY)
                         tps[variant].append(run.decode_tps)
                         gaps[variant].extend(run.gaps[1:])
@@ -457,12 +470,12 @@ async def oracle_table(
                     "tps": median(tps[v]),
                     "over_off": median(paired_ratios(tps[v], tps["off"])),
                 }
-                for v in ORACLE_VARIANTS
+                for v in variants
             }
             # `auto` against the best fixed depth (and plain decoding) of the same round: a
             # host whose steps run at one of two speeds run by run (an H200 host's plain steps
             # took 17 or 27 ms, MTP off's too) disturbs a ratio of medians, not a pairing.
-            depths = [v for v in ORACLE_VARIANTS if v not in ("off", "auto")]
+            depths = [v for v in variants if v not in ("off", "auto", AHEAD, WAITING)]
             best = max([*depths, "off"], key=lambda v: median(tps[v]))
             table[str(rate)]["auto"]["best_fixed"] = best
             table[str(rate)]["auto"]["over_best"] = median(paired_ratios(tps["auto"], tps[best]))
@@ -483,7 +496,7 @@ async def oracle_table(
             table[str(rate)]["median_gap_ms"] = {
                 v: round(median(g) * 1e3, 2) for v, g in gaps.items() if g
             }
-            row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in ORACLE_VARIANTS)
+            row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in variants)
             auto = table[str(rate)]["auto"]
             row += f"  (auto {auto['over_best']:.2f}x {auto['best_fixed']}, paired by round)"
             print(f"acceptance {rate:.1f}: {row}", flush=True)
@@ -554,7 +567,9 @@ def shape_steps(args) -> None:
     prompt = random_checkpoint.bench_prompt(load_model_config(path).text.vocab_size, 64)
     if args.oracle_rates:
         report["oracle"] = asyncio.run(
-            oracle_table(path, prompt, args.oracle_rates, args.rounds, args.max_tokens)
+            oracle_table(
+                path, prompt, args.oracle_rates, args.rounds, args.max_tokens, args.oracle_variants
+            )
         )
     else:
         runner = bare_runner(path)
@@ -565,6 +580,17 @@ def shape_steps(args) -> None:
 
 
 # ---- the run ----
+
+
+def _oracle_variants(text: str) -> tuple[str, ...]:
+    variants = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
+    known = {"off", "auto", WAITING, AHEAD, *(str(d) for d in range(AUTO_MAX_DEPTH + 1))}
+    unknown = [v for v in variants if v not in known]
+    if unknown or "off" not in variants:
+        raise argparse.ArgumentTypeError(
+            f"variants among {', '.join(sorted(known))}, off included; got {text!r}"
+        )
+    return variants
 
 
 def _modes(text: str) -> list[str]:
@@ -614,6 +640,14 @@ def main(argv: list[str] | None = None) -> None:
         help="part 4 only: tokens/s of off, depths 1-3 and auto with each draft accepted at "
         "these fixed rates, e.g. 0,0.3,0.5,0.7,0.9 (with --model or --shape)",
     )
+    parser.add_argument(
+        "--oracle-variants",
+        type=_oracle_variants,
+        default=ORACLE_VARIANTS,
+        help=f"with --oracle-rates: which to run, off among them [{','.join(ORACLE_VARIANTS)}]; "
+        f"also 0-4, {WAITING} (depth 1, each step waiting for its verdict) and {AHEAD} (built "
+        "ahead of it)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.shape:
@@ -625,7 +659,14 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"machine": machine(), "args": vars(args) | {"model": str(model_dir)}}
     if args.oracle_rates:
         report["oracle"] = asyncio.run(
-            oracle_table(model_dir, prompts[0], args.oracle_rates, args.rounds, args.max_tokens)
+            oracle_table(
+                model_dir,
+                prompts[0],
+                args.oracle_rates,
+                args.rounds,
+                args.max_tokens,
+                args.oracle_variants,
+            )
         )
         write_json(args.json, report)
         return
