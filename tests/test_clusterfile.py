@@ -166,3 +166,14 @@ def test_the_secret_is_made_once_and_only_its_owner_reads_it(tmp_path: Path):
     path.chmod(0o644)
     with pytest.raises(SecretFileError, match="chmod 600"):
         read_secret(path)
+
+
+def test_nodes_on_one_host_share_its_memory(tmp_path: Path):
+    text = (
+        f'model = "{MODEL}"\n'
+        '[[node]]\nssh = "me@studio"\nport = 50151\n'
+        '[[node]]\nssh = "studio"\nport = 50152\n'
+        '[[node]]\nssh = "mac-2"\n'
+    )
+    shares = {(n.ssh, n.port): n.memory_share for n in parse(tmp_path, text).nodes}
+    assert shares == {("me@studio", 50151): 0.5, ("studio", 50152): 0.5, ("mac-2", 50151): 1.0}

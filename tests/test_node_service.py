@@ -60,3 +60,20 @@ def test_supervised_process_restarts_its_child_and_stops_for_good(tmp_path: Path
     assert recorded == node
     node.remove()
     assert not node.running() and not (tmp_path / "state").exists()
+
+
+def test_nodes_sharing_a_host_are_installed_with_their_share(tmp_path: Path, monkeypatch):
+    from cluster.hosts import bringup
+    from cluster.hosts.clusterfile import HostNode
+
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bringup, "hosts_command", lambda ssh, node, *args, **kw: asked.append(args))
+    bringup._install(None, SECRET, HostNode(ssh="studio", name="studio-1", memory_share=0.5))
+    bringup._install(None, SECRET, HostNode(ssh="mac-2", name="mac-2"))
+    shared, alone = asked
+    assert shared[shared.index("--memory-share") + 1] == "0.500000"
+    assert "--memory-share" not in alone
+    # and the service runs the node with it
+    argv = node_argv("studio-1", 50151, tmp_path / "secret", None, 0.5)
+    assert argv[argv.index("--memory-share") + 1] == "0.500000"
+    assert "--memory-share" not in node_argv("mac-2", 50151, tmp_path / "secret", None)

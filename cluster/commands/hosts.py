@@ -40,8 +40,14 @@ def probe_command(model_dir: str, kind: str, address: str | None) -> None:
 @click.option("--service", "kind", default="auto")
 @click.option("--state-dir", default=None)
 @click.option("--memory-gb", type=float, default=None)
+@click.option("--memory-share", type=float, default=1.0)
 def install_command(
-    name: str, port: int, kind: str, state_dir: str | None, memory_gb: float | None
+    name: str,
+    port: int,
+    kind: str,
+    state_dir: str | None,
+    memory_gb: float | None,
+    memory_share: float,
 ) -> None:
     """Install and start the node service (the secret on stdin); harmless when it runs."""
     secret = sys.stdin.read().strip()
@@ -49,7 +55,13 @@ def install_command(
         raise click.ClickException("no secret on stdin")
     try:
         answer = remote.install(
-            name, port, kind=kind, state_dir=state_dir, memory_gb=memory_gb, secret=secret
+            name,
+            port,
+            kind=kind,
+            state_dir=state_dir,
+            memory_gb=memory_gb,
+            memory_share=memory_share,
+            secret=secret,
         )
     except remote.InstallError as error:
         raise click.ClickException(str(error)) from error

@@ -129,6 +129,8 @@ def _install(ssh: SSH, secret: str, node: HostNode) -> dict:
         args += ["--state-dir", node.state_dir]
     if node.memory_gb is not None:
         args += ["--memory-gb", f"{node.memory_gb:g}"]
+    if node.memory_share < 1:
+        args += ["--memory-share", f"{node.memory_share:.6f}"]
     return hosts_command(ssh, node, *args, stdin=secret + "\n", timeout=INSTALL_TIMEOUT_S)
 
 

@@ -15,6 +15,8 @@
     memory_gb = 96           # optional: a cap on what the planner may use there
     cluster = "/Users/me/qwen/.venv/bin/cluster"   # optional: the command on that host
 
+Nodes the file puts on one ssh host (other ports) each plan within an even share of its memory.
+
 Every mistake is reported with the file, the key and what to write instead.
 """
 
@@ -54,6 +56,8 @@ class HostNode:
     address: str | None = None  # data plane; None: measured (the ssh address to start with)
     port: int = DEFAULT_NODE_PORT
     memory_gb: float | None = None
+    # Of its host's memory: 1/k where the file puts k nodes on one ssh host (they share it).
+    memory_share: float = 1.0
     cluster: str = "cluster"  # the command on the host (may be "python -m cluster")
     service: str = "auto"
     state_dir: str | None = None  # on the host; None: the platform's default
@@ -285,6 +289,14 @@ def _unique_names(path: Path, nodes: list[HostNode], tables: list[Any]) -> list[
     return nodes
 
 
+def _shares(nodes: list[HostNode]) -> list[HostNode]:
+    """Nodes on one ssh host share its memory: each plans within an even share of it."""
+    per_host: dict[str, int] = {}
+    for node in nodes:
+        per_host[ssh_host(node.ssh)] = per_host.get(ssh_host(node.ssh), 0) + 1
+    return [replace(node, memory_share=1 / per_host[ssh_host(node.ssh)]) for node in nodes]
+
+
 def load_cluster_file(path: str | Path, *, resolve_model: bool = True) -> ClusterFile:
     """The cluster file at `path`, checked; a model given as a repo id is resolved (fetched
     into the Hugging Face cache if missing) unless not to `resolve_model`."""
@@ -309,7 +321,9 @@ def load_cluster_file(path: str | Path, *, resolve_model: bool = True) -> Cluste
     tables = data.get("node", [])
     if not isinstance(tables, list) or not tables:
         raise _fail(path, "needs at least one [[node]] table with ssh = HOST")
-    nodes = _unique_names(path, [_node(path, i, table) for i, table in enumerate(tables)], tables)
+    nodes = _shares(
+        _unique_names(path, [_node(path, i, table) for i, table in enumerate(tables)], tables)
+    )
     secret_file = data.get("secret_file")
     ssh_config = data.get("ssh_config")
     return ClusterFile(

@@ -52,13 +52,17 @@ def probe(model_dir: str, kind: str, address: str | None) -> dict[str, object]:
     }
 
 
-def node_argv(name: str, port: int, secret: Path, memory_gb: float | None) -> list[str]:
+def node_argv(
+    name: str, port: int, secret: Path, memory_gb: float | None, memory_share: float = 1.0
+) -> list[str]:
     """The node service's command line: this Python's `cluster node` on all addresses, its
     secret read from the file `secret`."""
     argv = [sys.executable, "-m", "cluster", "node", "--host", "0.0.0.0", "--port", str(port),
             "--node-id", name, "--token-file", str(secret), "--no-advertise"]  # fmt: skip
     if memory_gb is not None:
         argv += ["--memory-gb", f"{memory_gb:g}"]
+    if memory_share < 1:
+        argv += ["--memory-share", f"{memory_share:.6f}"]
     return argv
 
 
@@ -82,6 +86,7 @@ def install(
     state_dir: str | None,
     memory_gb: float | None,
     secret: str,
+    memory_share: float = 1.0,
 ) -> dict[str, object]:
     """Install and start the node service `name` on `port`, listening once this returns;
     nothing is restarted when the same service already runs with the same secret. Raises
@@ -94,7 +99,7 @@ def install(
             name,
             resolve_kind(kind),
             str(state),
-            tuple(node_argv(name, port, secret_path, memory_gb)),
+            tuple(node_argv(name, port, secret_path, memory_gb, memory_share)),
             tuple((k, os.environ[k]) for k in PASSED_ENV if k in os.environ),
         )
     except ServiceError as error:
