@@ -475,11 +475,15 @@ async def oracle_table(
             # `auto` against the best fixed depth (and plain decoding) of the same round: a
             # host whose steps run at one of two speeds run by run (an H200 host's plain steps
             # took 17 or 27 ms, MTP off's too) disturbs a ratio of medians, not a pairing.
-            depths = [v for v in variants if v not in ("off", "auto", AHEAD, WAITING)]
-            best = max([*depths, "off"], key=lambda v: median(tps[v]))
-            table[str(rate)]["auto"]["best_fixed"] = best
-            table[str(rate)]["auto"]["over_best"] = median(paired_ratios(tps["auto"], tps[best]))
-            table[str(rate)]["auto"]["choices"] = auto_choices(auto_runs)
+            row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in variants)
+            if "auto" in variants:
+                depths = [v for v in variants if v not in ("off", "auto", AHEAD, WAITING)]
+                best = max([*depths, "off"], key=lambda v: median(tps[v]))
+                auto = table[str(rate)]["auto"]
+                auto["best_fixed"] = best
+                auto["over_best"] = median(paired_ratios(tps["auto"], tps[best]))
+                auto["choices"] = auto_choices(auto_runs)
+                row += f"  (auto {auto['over_best']:.2f}x {best}, paired by round)"
             table[str(rate)]["rounds"] = {v: [round(t, 2) for t in tps[v]] for v in tps}
             # Each auto step: (drafts, wall ms since the last token, CPU ms), to see where it
             # loses; each run's plain and drafting steps, wall and CPU (a host-side slowdown
@@ -496,11 +500,9 @@ async def oracle_table(
             table[str(rate)]["median_gap_ms"] = {
                 v: round(median(g) * 1e3, 2) for v, g in gaps.items() if g
             }
-            row = "  ".join(f"{v} {table[str(rate)][v]['over_off']:.2f}x" for v in variants)
-            auto = table[str(rate)]["auto"]
-            row += f"  (auto {auto['over_best']:.2f}x {auto['best_fixed']}, paired by round)"
             print(f"acceptance {rate:.1f}: {row}", flush=True)
-            print(f"  auto: {table[str(rate)]['auto']['choices']}", flush=True)
+            if "auto" in variants:
+                print(f"  auto: {table[str(rate)]['auto']['choices']}", flush=True)
     finally:
         local.close()
     return table
