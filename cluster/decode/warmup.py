@@ -139,11 +139,12 @@ def prefill_lengths(prefill_chunk: int, max_context: int) -> list[int]:
     below the chunk (shorter last chunks), then a full chunk and a short one (the chunk's
     shape, and a chunk at an offset that attends over the cache); within the context.
 
-    MLX on CUDA builds a quantized matmul's kernel per range of row counts, the first time a
-    range meets it: 33-37 s each at the 27B shape on an H200 with nothing cached, a few
-    hundred milliseconds where another process of the host cached it. Powers of four left
-    ranges between them (rows 8 and 24 each built a kernel after 4, 16 and 64 had run), so a
-    first prompt or a held-back run of MTP pairs of such a length waited for one."""
+    MLX on CUDA builds a quantized matmul's kernel per range of row counts, ranges that end at
+    powers of two (9-16 rows share one, 17-32 the next), the first time a range meets it:
+    33-37 s each at the 27B shape on an H200 with nothing cached, a few hundred milliseconds
+    where another process of the host cached it. Powers of four left ranges between them
+    (rows 8, 24 and 128 each built a kernel after 4, 16, 64 and 256 had run), so a first
+    prompt, or a held-back run of MTP pairs, of such a length waited for one."""
     lengths, n = [], SHORTEST_PREFILL
     while n < prefill_chunk:
         lengths.append(n)
