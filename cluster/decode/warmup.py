@@ -143,8 +143,9 @@ def prefill_lengths(prefill_chunk: int, max_context: int) -> list[int]:
     powers of two (9-16 rows share one, 17-32 the next), the first time a range meets it:
     33-37 s each at the 27B shape on an H200 with nothing cached, a few hundred milliseconds
     where another process of the host cached it. Powers of four left ranges between them
-    (rows 8, 24 and 128 each built a kernel after 4, 16, 64 and 256 had run), so a first
-    prompt, or a held-back run of MTP pairs, of such a length waited for one."""
+    (rows 8 and 24 each built a kernel after 4, 16 and 64 had run; a first 128-token prompt
+    waited 320 ms after 64 and 256), so a first prompt, or a held-back run of MTP pairs, of
+    such a length waited for one."""
     lengths, n = [], SHORTEST_PREFILL
     while n < prefill_chunk:
         lengths.append(n)
