@@ -305,6 +305,20 @@ def test_probes_where_drafts_fail_stay_within_two_percent() -> None:
     assert max(late) == 1  # a probe drafts once, one deeper than 0
 
 
+def test_where_drafts_fail_readings_of_nearly_free_rows_do_not_keep_it_drafting() -> None:
+    """A busy machine can read a second row at the floor of its price (a plain round timed in
+    a slow moment): a draft that never passes must still not look worth drafting."""
+    cost = _curve(0.0)  # every count costs what one does: the reading at its worst
+    policy = DepthPolicy("auto")
+    chosen = []
+    for _ in range(300):
+        depth = policy.next_depth(cost, 0, 100)
+        policy.record(depth, 0)
+        chosen.append(depth)
+    late = chosen[WARM_UP:]
+    assert sum(1 for k in late if k) <= 0.02 * len(late) + PROBE_STEPS, chosen
+
+
 def test_a_probe_that_passes_goes_on() -> None:
     """Drafting pays again after a long plain run: the probe's passing drafts extend it
     until the estimate says to draft."""

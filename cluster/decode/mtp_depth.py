@@ -11,7 +11,9 @@ requests of the batch, so `auto` picks the k that maximises the batch's tokens p
 (others + E(k)) / cost(others + 1 + k), counting one token per position of the others (an
 upper bound, which leans against drafting). k = 0, a plain step, is one of the candidates:
 where extra rows cost per row (a long batch, a CPU) a draft must pass more often than a row
-costs, and where no depth beats a plain step `auto` does not draft.
+costs, and where no depth beats a plain step `auto` does not draft. Nor does it where, on
+enough verdicts, its first draft passes less than one time in five (`MIN_DRAFT_RATE`): what
+such drafts could gain is within the noise of the cost readings.
 
 What `auto` cannot see it probes, at a cost bounded by design. A depth it does not draft at
 has no verdicts, and a depth it does not step at has no cost at the request's context; and
@@ -83,6 +85,15 @@ MIN_ROW_COST = 0.05
 # `auto` may lose against the best fixed depth by staying, and far less than a change costs
 # when the estimates' noise flips it.
 SWITCH_MARGIN = 0.03
+# Once its estimate rests on FEW_VERDICTS, a request whose first draft is expected to pass
+# less often than this does not draft on the estimates (probes still judge it). Such drafts
+# gain at most 1.2 / 1.05 where rows are nearly free (a Mac) and nothing where a row costs a
+# quarter of a step or more (a GPU host, a CPU), less than the readings of a busy machine
+# move: a plain round timed in a slow moment against drafting rounds timed since can read a
+# second row at the MIN_ROW_COST floor, where a near-zero acceptance looks worth drafting, and
+# SWITCH_MARGIN then keeps the request drafting for nothing until its next plain probe. (The
+# prior keeps a request's estimate at a sixth of the node's at least, under 0.2 for any node.)
+MIN_DRAFT_RATE = 0.2
 
 
 # The depth of a request that asks for reproducible samples (a seed) where `auto` is only the
@@ -158,11 +169,14 @@ def depth_rates(
 ) -> dict[int, float]:
     """Expected tokens per second of a batch where `others` positions belong to other
     requests, at `context` positions (the batch's longest), for each depth whose cost the node
-    can tell; empty while it cannot tell a plain step's."""
+    can tell; empty while it cannot tell a plain step's, and the plain step's alone where the
+    first draft is expected to pass less often than MIN_DRAFT_RATE."""
     plain = cost.seconds(others + 1, context)
     if plain is None:
         return {}
     rates = {0: (others + 1) / max(plain, 1e-9)}
+    if acceptance.verdicts() >= FEW_VERDICTS and acceptance.rate(0, prior) < MIN_DRAFT_RATE:
+        return rates
     floor = plain
     row_floor = plain * MIN_ROW_COST / (others + 1)  # of what a row of this batch costs
     for depth in range(1, max_depth + 1):
