@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import tomllib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -291,9 +292,7 @@ def _unique_names(path: Path, nodes: list[HostNode], tables: list[Any]) -> list[
 
 def _shares(nodes: list[HostNode]) -> list[HostNode]:
     """Nodes on one ssh host share its memory: each plans within an even share of it."""
-    per_host: dict[str, int] = {}
-    for node in nodes:
-        per_host[ssh_host(node.ssh)] = per_host.get(ssh_host(node.ssh), 0) + 1
+    per_host = Counter(ssh_host(node.ssh) for node in nodes)
     return [replace(node, memory_share=1 / per_host[ssh_host(node.ssh)]) for node in nodes]
 
 
