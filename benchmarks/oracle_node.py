@@ -83,10 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cache-limit-gb", type=float, default=None, help="cap MLX's buffer cache (GiB)"
     )
+    parser.add_argument(
+        "--memory-share", type=float, default=1.0, help="as `cluster node --memory-share`"
+    )
     add_node_options(parser)
     args = parser.parse_args(argv)
     if args.spin_ms is not None and args.spin_ms < 0:
         parser.error("--spin-ms must be >= 0")
+    if not 0 < args.memory_share <= 1:
+        parser.error("--memory-share must be in (0, 1]")
     if args.cache_limit_gb is not None:
         mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     install_oracle(args.accept_rate, args.seed)
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             node_id=args.node_id,
             spin_s=spin_s,
             build_ahead=args.build_ahead,
+            memory_share=args.memory_share,
         )
         asyncio.run(serve(settings))
 

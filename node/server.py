@@ -70,6 +70,16 @@ def mlx_cache_limit(runner: ShardRunner, weights_bytes: int) -> int:
     return max(headroom // 2, MIN_MLX_CACHE_BYTES)
 
 
+def mlx_memory_limit() -> int | None:
+    """MLX's memory limit for this node where it shares its device (`--memory-share` below
+    1, or `--memory-gb`): its share. Past the limit MLX's allocator frees cached buffers
+    before it allocates, so a node gives back what it no longer uses instead of holding it
+    while a neighbour on the same device runs out. None: MLX's default (the whole device)."""
+    if MEMORY_SHARE >= 1 and MEMORY_CAP_BYTES is None:
+        return None
+    return total_memory_bytes()
+
+
 def device_name() -> str:
     device = mx.default_device()
     if device.type == mx.gpu and mx.metal.is_available():
@@ -269,6 +279,8 @@ class NodeService(pb_grpc.NodeServicer):
             self.shard_loads += 1
             self.keep_awake.hold()
             mx.set_cache_limit(mlx_cache_limit(runner, self.weights_bytes))
+            if (limit := mlx_memory_limit()) is not None:
+                mx.set_memory_limit(limit)
             log.info("loaded %s of %s", spec.describe(), request.model_dir)
             return self._info()
 

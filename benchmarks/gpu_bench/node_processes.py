@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import secrets
 import shlex
@@ -30,10 +31,12 @@ async def node_processes(
 ) -> AsyncIterator[tuple[list[str], str]]:
     """`nodes` oracle node processes on loopback (node i on GPU i % --gpus), with the
     `cluster node` settings `node_options` (a `--node-sets` entry); yields their addresses
-    and token, and stops them on the way out."""
+    and token, and stops them on the way out. Each node plans its caches within its share of
+    a GPU: the nodes on it and the benchmark's one process, which runs on GPU 0."""
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(nodes)]
     procs: list[asyncio.subprocess.Process] = []
+    share = 1 / (math.ceil(nodes / max(args.gpus, 1)) + 1)
     readers: list[asyncio.Task] = []
     try:
         for i, port in enumerate(ports):
@@ -44,6 +47,7 @@ async def node_processes(
                 *[sys.executable, "-m", "benchmarks.oracle_node", "--host", "127.0.0.1"],
                 *["--port", str(port), "--token", token, "--accept-rate", str(args.node_alpha)],
                 *["--node-id", f"bench-{i}", "--cache-limit-gb", "2"],
+                *["--memory-share", f"{share:.6f}"],
                 *shlex.split(node_options),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,

@@ -283,5 +283,6 @@ def _request_row(record: RequestRecord) -> dict[str, Any]:
         "ttft_s": record.ttft,
         "latency_s": record.latency,
         "chunks": len(record.itl) + (1 if record.ok else 0),
+        "itl_ms": [round(gap * 1000, 2) for gap in record.itl],  # where a stream stalled
         "error": record.error,
     }
