@@ -74,8 +74,15 @@ def test_nodes_sharing_a_gpu_each_plan_within_their_share(monkeypatch) -> None:
     monkeypatch.setattr(server, "mx", fake_mlx(metal=False, info={"total_memory": GPU_BYTES}))
     monkeypatch.setattr(server, "MEMORY_SHARE", 0.5)
     assert server.total_memory_bytes() == GPU_BYTES // 2
+    assert server.mlx_memory_limit() == GPU_BYTES // 2  # MLX frees its cache past the share
     monkeypatch.setattr(server, "MEMORY_CAP_BYTES", 40 * 10**9)  # and the cap bounds that
     assert server.total_memory_bytes() == 40 * 10**9
+    assert server.mlx_memory_limit() == 40 * 10**9
+
+
+def test_a_node_alone_on_its_device_keeps_mlx_memory_limit(monkeypatch) -> None:
+    monkeypatch.setattr(server, "mx", fake_mlx(metal=False, info={"total_memory": GPU_BYTES}))
+    assert server.mlx_memory_limit() is None  # MLX's default: the whole device
 
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.5"])
