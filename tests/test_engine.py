@@ -99,15 +99,13 @@ def test_small_prefill_chunks_give_the_same_tokens(model_dir, prompts, with_mtp)
 
 class _ChunkRecorder:
     """A pipeline that records the prefill steps it passes on (steps of more than one
-    confirmed position, or at position 0), the most of a request's steps in it at once, and
-    the most prefill steps of any request in it at once."""
+    confirmed position, or at position 0), and the most of a request's steps in it at once."""
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
         self.prefill_sizes: dict[str, list[int]] = {}
         self.in_flight: dict[str, int] = {}
         self.most_in_flight: dict[str, int] = {}
-        self.prefills_in_flight = self.most_prefills_in_flight = 0
 
     @property
     def max_context(self) -> int:
@@ -115,19 +113,15 @@ class _ChunkRecorder:
 
     async def submit(self, step):
         request = step.request_id.split(".")[0]
-        prefill = step.n_confirmed > 1 or step.position == 0
-        if prefill:
+        if step.n_confirmed > 1 or step.position == 0:
             self.prefill_sizes.setdefault(request, []).append(len(step.tokens))
         self.in_flight[request] = self.in_flight.get(request, 0) + 1
         most = max(self.most_in_flight.get(request, 0), self.in_flight[request])
         self.most_in_flight[request] = most
-        self.prefills_in_flight += prefill
-        self.most_prefills_in_flight = max(self.most_prefills_in_flight, self.prefills_in_flight)
         try:
             return await self.pipeline.submit(step)
         finally:
             self.in_flight[request] -= 1
-            self.prefills_in_flight -= prefill
 
     async def release(self, request_id: str) -> None:
         await self.pipeline.release(request_id)
@@ -137,9 +131,8 @@ def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
     model_dir, prompts
 ) -> None:
     """Alone, a prompt goes in `prefill_chunk` chunks, submitted together; while another
-    request decodes, in `interleave_chunk` ones, one at a time, and prompts arriving together
-    take turns (a decode step then meets at most one chunk in the pipeline); the tokens are
-    the same either way."""
+    request decodes, in `interleave_chunk` ones, one at a time (a decode step then meets at
+    most one chunk in the pipeline); the tokens are the same either way."""
 
     async def go():
         local = await open_local_engine(model_dir)
@@ -158,25 +151,17 @@ def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
 
             running = asyncio.create_task(decode())
             await first_token.wait()
-            recorder.most_prefills_in_flight = 0
-            joined = await asyncio.gather(
-                *(
-                    engine.generate(GenerationRequest(long_prompt, 8, request_id=f"joined-{i}"))
-                    for i in range(2)
-                )
-            )
+            joined = await engine.generate(GenerationRequest(long_prompt, 8, request_id="joined"))
             await running
-            return recorder, alone.tokens, [out.tokens for out in joined]
+            return recorder, alone.tokens, joined.tokens
         finally:
             local.close()
 
     recorder, alone, joined = run(go())
     assert recorder.prefill_sizes["alone"] == [16, 16, 8]
-    assert recorder.most_in_flight["alone"] == 3
-    for name in ("joined-0", "joined-1"):
-        assert recorder.prefill_sizes[name] == [4] * 10
-    assert recorder.most_prefills_in_flight == 1
-    assert joined == [alone, alone]
+    assert recorder.prefill_sizes["joined"] == [4] * 10
+    assert recorder.most_in_flight["alone"] == 3 and recorder.most_in_flight["joined"] == 1
+    assert alone == joined
 
 
 def test_the_interleave_chunk_is_the_longest_within_the_budget() -> None:

@@ -3,8 +3,7 @@
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
 so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down; while
-other requests decode, in the smaller interleave chunk, one at a time and one prompt at a
-time), then
+other requests decode, in the smaller interleave chunk and one at a time), then
 decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
 tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
 result says how many positions stay, and the difference travels on the next step as its
@@ -119,9 +118,6 @@ class GenerationEngine:
         # `cluster.decode.warmup.measure_chunks`).
         self.interleave_chunk: int | None = None
         self._decoding = 0  # requests past their prefill, not yet ended
-        # Held by the one prompt that prefills while others decode: prompts arriving together
-        # take turns, so a decode step meets one interleave chunk, not one per arrival.
-        self._interleave_turn = asyncio.Lock()
         self.prefix_index = prefix_index  # the pipeline must be a PrefixPipeline too
         self._background: set[asyncio.Task] = set()
         self.pipeline = pipeline
@@ -332,11 +328,8 @@ class GenerationEngine:
         ]
         if request.constraint is not None:
             steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
-        if not interleaved:
-            results = await _submit_all(self.pipeline, steps)
-            return steps[-1], results[-1]
-        async with self._interleave_turn:
-            results = await _submit_in_turn(self.pipeline, steps)
+        submit = _submit_in_turn if interleaved else _submit_all
+        results = await submit(self.pipeline, steps)
         return steps[-1], results[-1]
 
     # -- the conversation cache -------------------------------------------------------------
