@@ -80,7 +80,7 @@ def test_nodes_sharing_a_gpu_each_plan_within_their_share(monkeypatch) -> None:
     assert server.mlx_memory_limit() == 40 * 10**9
 
 
-def test_a_node_alone_on_its_device_keeps_mlx_memory_limit(monkeypatch) -> None:
+def test_a_node_alone_on_its_device_leaves_mlx_memory_limit_alone(monkeypatch) -> None:
     monkeypatch.setattr(server, "mx", fake_mlx(metal=False, info={"total_memory": GPU_BYTES}))
     assert server.mlx_memory_limit() is None  # MLX's default: the whole device
 

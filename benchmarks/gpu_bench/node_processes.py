@@ -31,8 +31,8 @@ async def node_processes(
 ) -> AsyncIterator[tuple[list[str], str]]:
     """`nodes` oracle node processes on loopback (node i on GPU i % --gpus), with the
     `cluster node` settings `node_options` (a `--node-sets` entry); yields their addresses
-    and token, and stops them on the way out. Each node plans its caches within its share of
-    a GPU: the nodes on it and the benchmark's one process, which runs on GPU 0."""
+    and token, and stops them on the way out. Each node plans its caches within an even share
+    of a GPU among the most nodes one GPU holds and the benchmark's one process (on GPU 0)."""
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(nodes)]
     procs: list[asyncio.subprocess.Process] = []
