@@ -72,9 +72,10 @@ def mlx_cache_limit(runner: ShardRunner, weights_bytes: int) -> int:
 
 def mlx_memory_limit() -> int | None:
     """MLX's memory limit for this node where it shares its device (`--memory-share` below
-    1, or `--memory-gb`): its share. Past the limit MLX's allocator frees cached buffers
-    before it allocates, so a node gives back what it no longer uses instead of holding it
-    while a neighbour on the same device runs out. None: MLX's default (the whole device)."""
+    1, or `--memory-gb`): its share. Past the limit MLX's allocator frees its cached buffers
+    before it allocates, so the node's own cache does not grow into its neighbours' share
+    (whether the device's allocator hands that memory on at once is its own affair). None:
+    MLX's default (the whole device)."""
     if MEMORY_SHARE >= 1 and MEMORY_CAP_BYTES is None:
         return None
     return total_memory_bytes()
