@@ -53,6 +53,14 @@ log = logging.getLogger(__name__)
 DECODE_PROMPT_TOKENS = 4
 SHORTEST_PREFILL = 4  # the shortest last chunk warmed; powers of two from here to the chunk
 CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
+# The users' prompts of a wave: prefilled several at once, then decoded in the batches (and
+# caches) that such prefills leave, with MTP as served (under `auto`, requests of one batch at
+# different depths); and prompts arriving while another request decodes, which share its
+# steps. Shapes of their own that single requests of the steps above never make: a cluster
+# that skipped them stalled for seconds when its first users came together. (A length that
+# no step above prefills: what it builds is not that length's.)
+WAVE_PROMPT_TOKENS = 100
+WAVE_TOKENS = 16
 # Every other request samples: these touch the filters (top-k, top-p, min-p) and the
 # seeded sampler that a user's request may ask for.
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1)
@@ -60,15 +68,19 @@ SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """How a warm-up request decodes: MTP off, or on with `depth` drafts per step."""
+    """How a warm-up request decodes: MTP off, or on with `depth` drafts per step ("auto":
+    the tail's choice, as a served request's)."""
 
     mtp: bool
-    depth: int = 0
+    depth: MtpDepth = 0
 
     @property
     def width(self) -> int:
-        """Positions of each of its decode steps (the confirmed token and the drafts)."""
-        return 1 + self.depth if self.mtp else 1
+        """Positions of each of its decode steps (the confirmed token and the drafts; under
+        "auto", the most)."""
+        if not self.mtp:
+            return 1
+        return 1 + (AUTO_MAX_DEPTH if self.depth == "auto" else self.depth)
 
     @property
     def name(self) -> str:
@@ -86,10 +98,12 @@ class Variant:
 
 @dataclass(frozen=True, slots=True)
 class WarmupStep:
-    """One line of the warm-up's progress: a prefill of `size` prompt tokens, or a decode
-    batch of `size` requests; run once for each of `variants`, one after the other."""
+    """One line of the warm-up's progress, run once for each of `variants`, one after the
+    other: a prefill of `size` prompt tokens; a decode batch of `size` requests; or `size`
+    users' prompts of WAVE_PROMPT_TOKENS, all at once ("wave") or while one of them decodes
+    ("arrivals"), decoding as served requests do."""
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "decode", "wave", "arrivals"]
     size: int
     variants: tuple[Variant, ...]
 
@@ -97,14 +111,30 @@ class WarmupStep:
     def label(self) -> str:
         if self.kind == "prefill":
             return f"prefill {self.size} tokens"
-        return f"decode batch {self.size} ({', '.join(v.name for v in self.variants)})"
+        names = ", ".join(v.name for v in self.variants)
+        if self.kind == "wave":
+            return f"{self.size} prompts at once ({names})"
+        if self.kind == "arrivals":
+            return f"{self.size - 1} prompts arriving while one decodes ({names})"
+        return f"decode batch {self.size} ({names})"
 
     def requests(self, variant: Variant, vocab_size: int) -> list[GenerationRequest]:
-        """The synthetic requests of one variant: run at once, they make one batch."""
+        """The synthetic requests of one variant: run at once, they make one batch (the
+        first of "arrivals" runs ahead of the others)."""
         if self.kind == "prefill":
             options = variant.options(sampled=True)
             prompt = synthetic_prompt(self.size, 0, vocab_size)
             return [GenerationRequest(prompt, 1, options, request_id=_request_id())]
+        if self.kind in ("wave", "arrivals"):
+            return [
+                GenerationRequest(
+                    synthetic_prompt(WAVE_PROMPT_TOKENS, i, vocab_size),
+                    WAVE_TOKENS,
+                    variant.options(sampled=i % 2 == 1),
+                    request_id=_request_id(),
+                )
+                for i in range(self.size)
+            ]
         return [
             GenerationRequest(
                 synthetic_prompt(DECODE_PROMPT_TOKENS, i, vocab_size),
@@ -119,18 +149,18 @@ class WarmupStep:
 @dataclass(frozen=True, slots=True)
 class Driven:
     """What one variant of a warm-up step submitted to the pipeline: a prefill of `size`
-    prompt tokens (every chunk, summed), or decode steps of `width` positions of which
-    `size` were in flight at once (the batch the nodes could form); `positions`: every
-    position its steps fed (each node computes each of them once)."""
+    prompt tokens (every chunk, summed); decode steps of `width` positions of which `size`
+    were in flight at once (the batch the nodes could form); or a wave of `size` requests;
+    `positions`: every position its steps fed (each node computes each of them once)."""
 
     kind: str
     size: int
     mtp: bool
-    depth: int
+    depth: MtpDepth
     positions: int
 
     @property
-    def shape(self) -> tuple[str, int, bool, int]:
+    def shape(self) -> tuple[str, int, bool, MtpDepth]:
         return (self.kind, self.size, self.mtp, self.depth)
 
 
@@ -173,7 +203,8 @@ def plan_warmup(
     has_mtp: bool,
 ) -> list[WarmupStep]:
     """The coordinator's warm-up: every prefill length, then every batch size up to the
-    admission limit, with each MTP variant it may serve."""
+    admission limit, with each MTP variant it may serve; then a wave of users' prompts at
+    the admission limit, at once and while one decodes, at the served MTP depth."""
     variants = decode_variants(mtp_depth, has_mtp)
     # Where the model has one, the tail's MTP head runs over each chunk too: the path that
     # requests take by default. The decode steps' prompts prefill without it.
@@ -186,6 +217,9 @@ def plan_warmup(
     ]
     fits = [v for v in variants if DECODE_PROMPT_TOKENS + v.max_tokens() <= max_context]
     steps += [WarmupStep("decode", k, tuple(fits)) for k in range(1, max_running + 1) if fits]
+    served = (Variant(True, mtp_depth),) if has_mtp else (Variant(False),)
+    if max_running > 1 and max_context >= WAVE_PROMPT_TOKENS + WAVE_TOKENS:
+        steps += [WarmupStep(kind, max_running, served) for kind in ("wave", "arrivals")]
     return steps
 
 
@@ -443,8 +477,13 @@ async def run_warmup(
             await hook(progress)
         for variant in step.variants:
             recorder.reset()
+            requests = step.requests(variant, vocab_size)
             async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
-                for request in step.requests(variant, vocab_size):
+                if step.kind == "arrivals":
+                    decoding = asyncio.Event()
+                    group.create_task(_drain(engine, requests.pop(0), decoding))
+                    await decoding.wait()
+                for request in requests:
                     group.create_task(_drain(engine, request))
             progress.driven.append(recorder.driven(step.kind, variant))
     progress.done = len(steps)
@@ -455,11 +494,15 @@ async def run_warmup(
         await hook(progress)
 
 
-async def _drain(engine: GenerationEngine, request: GenerationRequest) -> None:
+async def _drain(
+    engine: GenerationEngine, request: GenerationRequest, first: asyncio.Event | None = None
+) -> None:
+    """Run `request` to its end; `first` is set at its first token."""
     # Closed here, not by the garbage collector: the request is released on every node now.
     async with contextlib.aclosing(engine.stream(request)) as chunks:
         async for _ in chunks:
-            pass
+            if first is not None:
+                first.set()
 
 
 class _Recorder:
@@ -476,11 +519,13 @@ class _Recorder:
     def reset(self) -> None:
         self.positions = 0
         self.prompt_tokens = 0
+        self.request_ids: set[str] = set()
         self._in_flight: Counter[int] = Counter()  # decode steps in flight, by width
         self.most_in_flight: Counter[int] = Counter()
 
     async def submit(self, step: StepRequest) -> StepResult:
         self.positions += len(step.tokens)
+        self.request_ids.add(step.request_id)
         decode = step.n_confirmed == 1 and step.position > 0
         width = len(step.tokens)
         if not decode:
@@ -497,6 +542,11 @@ class _Recorder:
         await self.pipeline.release(request_id)
 
     def driven(self, kind: str, variant: Variant) -> Driven:
-        size = self.prompt_tokens if kind == "prefill" else self.most_in_flight[variant.width]
+        """What the variant just run submitted."""
+        size = self.most_in_flight[variant.width]
+        if kind == "prefill":
+            size = self.prompt_tokens
+        elif kind != "decode":
+            size = len(self.request_ids)
         depth = variant.depth if variant.mtp else 0
         return Driven(kind, size, variant.mtp, depth, self.positions)
