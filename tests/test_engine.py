@@ -164,6 +164,43 @@ def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
     assert alone == joined
 
 
+def test_a_prompt_in_interleave_chunks_goes_on_in_whole_ones_once_no_other_decodes(
+    model_dir, prompts
+) -> None:
+    """The request it made way for ends after a token: the rest of the prompt needs no
+    small chunks one at a time any more (they cost its first token one pipeline round each)."""
+
+    async def go():
+        local = await open_local_engine(model_dir)
+        recorder = _ChunkRecorder(local.engine.pipeline)
+        engine = GenerationEngine(recorder, prefill_chunk=16)
+        engine.interleave_chunk = 4
+        long_prompt = (tuple(prompts[1]) * 8)[:40]
+        try:
+            alone = await engine.generate(GenerationRequest(long_prompt, 8, request_id="alone"))
+            first_token = asyncio.Event()
+
+            async def decode() -> None:
+                request = GenerationRequest(tuple(prompts[0]), 2, request_id="ending")
+                async for _ in engine.stream(request):
+                    first_token.set()
+
+            running = asyncio.create_task(decode())
+            await first_token.wait()
+            joined = await engine.generate(GenerationRequest(long_prompt, 8, request_id="joined"))
+            await running
+            return recorder, alone.tokens, joined.tokens
+        finally:
+            local.close()
+
+    recorder, alone, joined = run(go())
+    sizes = recorder.prefill_sizes["joined"]
+    assert sizes[0] == 4 and sum(sizes) == 40
+    assert max(sizes) == 16 and len(sizes) < 10, sizes  # the rest in chunks of 16
+    assert recorder.most_in_flight["joined"] > 1  # ... submitted together
+    assert alone == joined
+
+
 def test_the_interleave_chunk_is_the_longest_within_the_budget() -> None:
     from cluster.decode.warmup import INTERLEAVE_BUDGET, choose_interleave_chunk
 

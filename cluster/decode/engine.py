@@ -3,7 +3,7 @@
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
 so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down; while
-other requests decode, in the smaller interleave chunk and one at a time), then
+other requests decode, in the smaller interleave chunk and one at a time, until none does), then
 decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
 tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
 result says how many positions stay, and the difference travels on the next step as its
@@ -302,18 +302,41 @@ class GenerationEngine:
         saves: dict[int, int],
     ) -> tuple[StepRequest, StepResult]:
         """The prompt from `entry`'s end (or from 0) in chunks, cut at the positions of
-        `saves` (position -> snapshot id), where the chunk that ends keeps that snapshot."""
-        prompt, size = request.prompt, self.prefill_chunk
-        interleaved = self._decoding > 0
-        if interleaved and self.interleave_chunk:
-            size = min(size, self.interleave_chunk)
+        `saves` (position -> snapshot id), where the chunk that ends keeps that snapshot.
+        While other requests decode, in the interleave chunk and one at a time; the rest
+        together, in whole chunks, as soon as none does."""
         begin = entry.length if entry else 0
+        if self._decoding == 0:
+            steps = self._prompt_steps(rid, request, entry, saves, begin, self.prefill_chunk)
+            return steps[-1], (await _submit_all(self.pipeline, steps))[-1]
+        size = min(self.prefill_chunk, self.interleave_chunk or self.prefill_chunk)
+        steps = self._prompt_steps(rid, request, entry, saves, begin, size)
+        for i, step in enumerate(steps):
+            result = await _submit_in_turn(self.pipeline, [step])
+            if i + 1 < len(steps) and self._decoding == 0:
+                start = steps[i + 1].position
+                rest = self._prompt_steps(rid, request, entry, saves, start, self.prefill_chunk)
+                return rest[-1], (await _submit_all(self.pipeline, rest))[-1]
+        return steps[-1], result[-1]
+
+    def _prompt_steps(
+        self,
+        rid: str,
+        request: GenerationRequest,
+        entry: PrefixEntry | None,
+        saves: dict[int, int],
+        start: int,
+        size: int,
+    ) -> list[StepRequest]:
+        """The prompt's steps from `start`, in chunks of `size` cut at the positions of
+        `saves`; the request's first step (at `entry`'s end) opens it."""
+        prompt, begin = request.prompt, entry.length if entry else 0
         ends: list[int] = []
-        for stop in (*sorted(p for p in saves if p < len(prompt)), len(prompt)):
-            start = ends[-1] if ends else begin
-            ends += range(min(start + size, stop), stop, size)
+        for stop in (*sorted(p for p in saves if start < p < len(prompt)), len(prompt)):
+            first = ends[-1] if ends else start
+            ends += range(min(first + size, stop), stop, size)
             ends.append(stop)
-        starts = [begin, *ends[:-1]]
+        starts = [start, *ends[:-1]]
         steps = [
             StepRequest(
                 rid,
@@ -328,9 +351,7 @@ class GenerationEngine:
         ]
         if request.constraint is not None:
             steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
-        submit = _submit_in_turn if interleaved else _submit_all
-        results = await submit(self.pipeline, steps)
-        return steps[-1], results[-1]
+        return steps
 
     # -- the conversation cache -------------------------------------------------------------
 
