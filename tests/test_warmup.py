@@ -84,25 +84,22 @@ def test_the_plan_covers_each_prefill_length_batch_size_and_depth():
         ("decode", 1, False, 0),
         ("decode", 2, False, 0),
         ("wave", 2, False, 0),
-        ("arrivals", 2, False, 0),
     }
 
 
 def test_the_plan_ends_with_users_prompts_at_the_admission_limit_at_the_served_depth():
-    """Several prompts prefilled at once, and prompts arriving while one decodes: the
-    batches they make (several requests' chunks, a decode step beside prompt chunks, requests
-    at different `auto` depths) are shapes of their own."""
+    """Several prompts prefilled at once: the batches they make (several requests' chunks,
+    decode batches made from such prefills, requests at different `auto` depths) are shapes
+    of their own."""
     steps = plan_warmup(
         prefill_chunk=512, max_running=8, max_context=8192, mtp_depth="auto", has_mtp=True
     )
-    assert [(s.kind, s.size, s.variants) for s in steps[-2:]] == [
-        ("wave", 8, (Variant(True, "auto"),)),
-        ("arrivals", 8, (Variant(True, "auto"),)),
-    ]
-    assert [s.label for s in steps[-2:]] == [
-        "8 prompts at once (MTP depth auto)",
-        "7 prompts arriving while one decodes (MTP depth auto)",
-    ]
+    assert (steps[-1].kind, steps[-1].size, steps[-1].variants) == (
+        "wave",
+        8,
+        (Variant(True, "auto"),),
+    )
+    assert steps[-1].label == "8 prompts at once (MTP depth auto)"
     one = plan_warmup(prefill_chunk=512, max_running=1, max_context=8192, mtp_depth=2, has_mtp=True)
     assert {s.kind for s in one} == {"prefill", "decode"}  # one user: no wave
 

@@ -55,12 +55,11 @@ SHORTEST_PREFILL = 4  # the shortest last chunk warmed; powers of two from here 
 CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # The users' prompts of a wave: prefilled several at once, then decoded in the batches (and
 # caches) that such prefills leave, with MTP as served (under `auto`, requests of one batch at
-# different depths); and prompts arriving while another request decodes, which share its
-# steps. Shapes of their own that single requests of the steps above never make: a cluster
-# that skipped them stalled for seconds when its first users came together. (A length that
-# no step above prefills: what it builds is not that length's.)
+# different depths). Shapes of their own that single requests of the steps above never make:
+# a cluster that skipped them stalled for seconds when its first users came together. (A
+# length that no step above prefills: what it builds is not that length's.)
 WAVE_PROMPT_TOKENS = 100
-WAVE_TOKENS = 16
+WAVE_TOKENS = 8
 # Every other request samples: these touch the filters (top-k, top-p, min-p) and the
 # seeded sampler that a user's request may ask for.
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1)
@@ -99,11 +98,10 @@ class Variant:
 @dataclass(frozen=True, slots=True)
 class WarmupStep:
     """One line of the warm-up's progress, run once for each of `variants`, one after the
-    other: a prefill of `size` prompt tokens; a decode batch of `size` requests; or `size`
-    users' prompts of WAVE_PROMPT_TOKENS, all at once ("wave") or while one of them decodes
-    ("arrivals"), decoding as served requests do."""
+    other: a prefill of `size` prompt tokens; a decode batch of `size` requests; or a wave of
+    `size` users' prompts of WAVE_PROMPT_TOKENS at once, decoding as served requests do."""
 
-    kind: Literal["prefill", "decode", "wave", "arrivals"]
+    kind: Literal["prefill", "decode", "wave"]
     size: int
     variants: tuple[Variant, ...]
 
@@ -114,18 +112,15 @@ class WarmupStep:
         names = ", ".join(v.name for v in self.variants)
         if self.kind == "wave":
             return f"{self.size} prompts at once ({names})"
-        if self.kind == "arrivals":
-            return f"{self.size - 1} prompts arriving while one decodes ({names})"
         return f"decode batch {self.size} ({names})"
 
     def requests(self, variant: Variant, vocab_size: int) -> list[GenerationRequest]:
-        """The synthetic requests of one variant: run at once, they make one batch (the
-        first of "arrivals" runs ahead of the others)."""
+        """The synthetic requests of one variant: run at once, they make one batch."""
         if self.kind == "prefill":
             options = variant.options(sampled=True)
             prompt = synthetic_prompt(self.size, 0, vocab_size)
             return [GenerationRequest(prompt, 1, options, request_id=_request_id())]
-        if self.kind in ("wave", "arrivals"):
+        if self.kind == "wave":
             return [
                 GenerationRequest(
                     synthetic_prompt(WAVE_PROMPT_TOKENS, i, vocab_size),
@@ -204,7 +199,7 @@ def plan_warmup(
 ) -> list[WarmupStep]:
     """The coordinator's warm-up: every prefill length, then every batch size up to the
     admission limit, with each MTP variant it may serve; then a wave of users' prompts at
-    the admission limit, at once and while one decodes, at the served MTP depth."""
+    the admission limit, at the served MTP depth."""
     variants = decode_variants(mtp_depth, has_mtp)
     # Where the model has one, the tail's MTP head runs over each chunk too: the path that
     # requests take by default. The decode steps' prompts prefill without it.
@@ -219,7 +214,7 @@ def plan_warmup(
     steps += [WarmupStep("decode", k, tuple(fits)) for k in range(1, max_running + 1) if fits]
     served = (Variant(True, mtp_depth),) if has_mtp else (Variant(False),)
     if max_running > 1 and max_context >= WAVE_PROMPT_TOKENS + WAVE_TOKENS:
-        steps += [WarmupStep(kind, max_running, served) for kind in ("wave", "arrivals")]
+        steps.append(WarmupStep("wave", max_running, served))
     return steps
 
 
@@ -477,13 +472,8 @@ async def run_warmup(
             await hook(progress)
         for variant in step.variants:
             recorder.reset()
-            requests = step.requests(variant, vocab_size)
             async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
-                if step.kind == "arrivals":
-                    decoding = asyncio.Event()
-                    group.create_task(_drain(engine, requests.pop(0), decoding))
-                    await decoding.wait()
-                for request in requests:
+                for request in step.requests(variant, vocab_size):
                     group.create_task(_drain(engine, request))
             progress.driven.append(recorder.driven(step.kind, variant))
     progress.done = len(steps)
@@ -494,15 +484,11 @@ async def run_warmup(
         await hook(progress)
 
 
-async def _drain(
-    engine: GenerationEngine, request: GenerationRequest, first: asyncio.Event | None = None
-) -> None:
-    """Run `request` to its end; `first` is set at its first token."""
+async def _drain(engine: GenerationEngine, request: GenerationRequest) -> None:
     # Closed here, not by the garbage collector: the request is released on every node now.
     async with contextlib.aclosing(engine.stream(request)) as chunks:
         async for _ in chunks:
-            if first is not None:
-                first.set()
+            pass
 
 
 class _Recorder:
