@@ -127,12 +127,9 @@ class _ChunkRecorder:
         await self.pipeline.release(request_id)
 
 
-def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
-    model_dir, prompts
-) -> None:
-    """Alone, a prompt goes in `prefill_chunk` chunks, submitted together; while another
-    request decodes, in `interleave_chunk` ones, one at a time (a decode step then meets at
-    most one chunk in the pipeline); the tokens are the same either way."""
+def _prefill_beside_a_decode(model_dir, prompts, decode_tokens: int):
+    """A 40-token prompt alone, then again once another request (of `decode_tokens` tokens)
+    has its first token; prefill chunk 16, interleave chunk 4. The recorder, both answers."""
 
     async def go():
         local = await open_local_engine(model_dir)
@@ -145,7 +142,7 @@ def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
             first_token = asyncio.Event()
 
             async def decode() -> None:
-                request = GenerationRequest(tuple(prompts[0]), 64, request_id="decoding")
+                request = GenerationRequest(tuple(prompts[0]), decode_tokens, request_id="other")
                 async for _ in engine.stream(request):
                     first_token.set()
 
@@ -157,7 +154,16 @@ def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
         finally:
             local.close()
 
-    recorder, alone, joined = run(go())
+    return run(go())
+
+
+def test_a_prompt_arriving_while_others_decode_prefills_in_interleave_chunks(
+    model_dir, prompts
+) -> None:
+    """Alone, a prompt goes in `prefill_chunk` chunks, submitted together; while another
+    request decodes, in `interleave_chunk` ones, one at a time (a decode step then meets at
+    most one chunk in the pipeline); the tokens are the same either way."""
+    recorder, alone, joined = _prefill_beside_a_decode(model_dir, prompts, decode_tokens=64)
     assert recorder.prefill_sizes["alone"] == [16, 16, 8]
     assert recorder.prefill_sizes["joined"] == [4] * 10
     assert recorder.most_in_flight["alone"] == 3 and recorder.most_in_flight["joined"] == 1
@@ -169,31 +175,7 @@ def test_a_prompt_in_interleave_chunks_goes_on_in_whole_ones_once_no_other_decod
 ) -> None:
     """The request it made way for ends after a token: the rest of the prompt needs no
     small chunks one at a time any more (they cost its first token one pipeline round each)."""
-
-    async def go():
-        local = await open_local_engine(model_dir)
-        recorder = _ChunkRecorder(local.engine.pipeline)
-        engine = GenerationEngine(recorder, prefill_chunk=16)
-        engine.interleave_chunk = 4
-        long_prompt = (tuple(prompts[1]) * 8)[:40]
-        try:
-            alone = await engine.generate(GenerationRequest(long_prompt, 8, request_id="alone"))
-            first_token = asyncio.Event()
-
-            async def decode() -> None:
-                request = GenerationRequest(tuple(prompts[0]), 2, request_id="ending")
-                async for _ in engine.stream(request):
-                    first_token.set()
-
-            running = asyncio.create_task(decode())
-            await first_token.wait()
-            joined = await engine.generate(GenerationRequest(long_prompt, 8, request_id="joined"))
-            await running
-            return recorder, alone.tokens, joined.tokens
-        finally:
-            local.close()
-
-    recorder, alone, joined = run(go())
+    recorder, alone, joined = _prefill_beside_a_decode(model_dir, prompts, decode_tokens=2)
     sizes = recorder.prefill_sizes["joined"]
     assert sizes[0] == 4 and sum(sizes) == 40
     assert max(sizes) == 16 and len(sizes) < 10, sizes  # the rest in chunks of 16
