@@ -29,7 +29,7 @@ import pytest
 from cluster.hosts.clusterfile import load_cluster_file
 from cluster.transport.node_client import NodeClient
 from tests import hostlab
-from tests.daemons import free_port, wait_until
+from tests.daemons import START_DEADLINE_S, free_port, wait_until
 
 if (missing := hostlab.available()) is not None:
     # In CI the lab must run (.ci/run installs sshd): a skip there would hide a broken setup.
@@ -136,7 +136,7 @@ def start_up(cluster_file: Path, log: Path) -> Up:
         match = ENDPOINT.search(text)
         return match.group(1) if match else None
 
-    return Up(process, log, wait_until(endpoint, "cluster up --hosts", 90.0))
+    return Up(process, log, wait_until(endpoint, "cluster up --hosts", START_DEADLINE_S))
 
 
 @dataclass

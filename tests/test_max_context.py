@@ -45,7 +45,7 @@ from cluster.placement import (
     plan_placement,
 )
 from coordinator.settings import CoordinatorSettings, MaxContextError, ServingOptions
-from tests.daemons import stop_process_group, wait_until
+from tests.daemons import START_DEADLINE_S, stop_process_group, wait_until
 from tests.fakes import FakeEngine, serve
 
 MODEL_CONTEXT = 8192  # the bundled model's max_position_embeddings
@@ -320,7 +320,7 @@ def _up(tmp_path: Path, *argv: str) -> Iterator[str]:
         return found.group(1) if found else None
 
     try:
-        yield wait_until(endpoint, "cluster up's endpoint", 90.0)
+        yield wait_until(endpoint, "cluster up's endpoint", START_DEADLINE_S)
     finally:
         stop_process_group(process, timeout_s=30)
 

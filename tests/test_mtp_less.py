@@ -20,7 +20,7 @@ from cluster.commands.generate import generate_command
 from cluster.config import bundled_model_path
 from cluster.model.convert import convert
 from cluster.model.loading import NO_MTP_HEAD, has_mtp_head
-from tests.daemons import free_port, stop_process_group, wait_until
+from tests.daemons import START_DEADLINE_S, free_port, stop_process_group, wait_until
 from tests.test_hub import lay_out_hub_cache, python_offline
 
 PROMPT = "def fibonacci(n):\n"
@@ -173,7 +173,7 @@ def test_the_coordinator_serves_without_drafts_and_says_so(
             found = _ENDPOINT.search(log.read_text())
             return found.group(1) if found else None
 
-        url = wait_until(endpoint, "cluster up's endpoint", 60.0)
+        url = wait_until(endpoint, "cluster up's endpoint", START_DEADLINE_S)
         head = log.read_text().split("OpenAI endpoint")[0]
         assert NO_MTP_HEAD in head  # said before serving, among the first lines
 

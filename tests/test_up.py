@@ -27,9 +27,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.daemons import wait_until
+from tests.daemons import START_DEADLINE_S, wait_until
 
-START_DEADLINE_S = 60.0
 DOWN_DEADLINE_MS = 15_000  # heartbeat every 1 s, down after 3 s, the page polls every 1 s
 MAX_TOKENS = 24
 CHAT_PROMPT = "Show me the source of abc"

@@ -26,9 +26,8 @@ from cluster.commands.up import hosts_serving, up_command
 from cluster.config import bundled_model_path
 from cluster.hosts.clusterfile import load_cluster_file
 from coordinator.settings import CoordinatorSettings, OpenEndpointError, ServingOptions
-from tests.daemons import stop_process_group, wait_until
+from tests.daemons import START_DEADLINE_S, stop_process_group, wait_until
 
-START_DEADLINE_S = 60.0
 _ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
 
 
