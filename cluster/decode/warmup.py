@@ -56,8 +56,9 @@ CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # The users' prompts of a wave: prefilled several at once, then decoded in the batches (and
 # caches) that such prefills leave, with MTP as served (under `auto`, requests of one batch at
 # different depths). Shapes of their own that single requests of the steps above never make:
-# a cluster that skipped them stalled for seconds when its first users came together. (A
-# length that no step above prefills: what it builds is not that length's.)
+# a cluster that skipped them stalled for seconds when its first users came together. The
+# length is one that no step above prefills, so that what the wave builds is what several
+# prompts together need, not what one length does.
 WAVE_PROMPT_TOKENS = 100
 WAVE_TOKENS = 8
 # Every other request samples: these touch the filters (top-k, top-p, min-p) and the
