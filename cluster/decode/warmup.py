@@ -338,7 +338,7 @@ class WarmupProgress:
 
 
 # While others decode, a prompt's chunks go through the pipeline one at a time (the engine's
-# `_submit_in_turn`): a decode step may wait for the chunk a node is running and share a batch
+# `_prefill`): a decode step may wait for the chunk a node is running and share a batch
 # with it there, so the running streams' gap between tokens grows by up to about one chunk
 # through the pipeline. Kept within this many times a plain decode step, a gap stays within
 # the 3x of a stream's median that a user notices least.
