@@ -17,7 +17,7 @@ from PIL import Image
 
 from cluster.cli import main
 from cluster.messages import MAX_MTP_DEPTH
-from tests.daemons import ENDPOINT, Daemon, free_port
+from tests.daemons import ENDPOINT, NO_WARMUP, Daemon, free_port
 
 PLOTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_vs_prompt", "mtp_on_off")
 RUN_TIMEOUT_S = 240
@@ -49,7 +49,7 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("bench-url") / "up.log"
-    daemon = Daemon.start(log, "bench-token", "up", "--local", "1", "--port", "0")
+    daemon = Daemon.start(log, "bench-token", "up", "--local", "1", "--port", "0", NO_WARMUP)
     try:
         yield daemon.wait_for(ENDPOINT)
     finally:

@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tests.test_fuzz as fuzz
-from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
+from tests.daemons import ENDPOINT, LISTENING, NO_WARMUP, Daemon, free_port, wait_until
 
 TOKEN = "test-chaos-secret"
 MAX_TOKENS = 80
@@ -100,7 +100,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
             TOKEN,
             *("-v", "coordinator"),
             *("--nodes", ",".join(state.address(i) for i in range(4))),
-            *("--port", "0", "--no-mdns", "--layers", LAYERS),
+            *("--port", "0", "--no-mdns", "--layers", LAYERS, NO_WARMUP),
         )
         state.daemons.append(coordinator)
         state.url = coordinator.wait_for(ENDPOINT)

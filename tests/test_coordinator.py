@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from cluster.transport.node_client import NodeClient
-from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
+from tests.daemons import ENDPOINT, LISTENING, NO_WARMUP, Daemon, free_port, wait_until
 
 TOKEN = "test-coordinator-secret"
 FREE_DEADLINE_S = 10.0
@@ -99,7 +99,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             TOKEN,
             "coordinator",
             *("--nodes", ",".join(addresses), "--port", str(port)),
-            *("--no-mdns", "--all-nodes"),
+            *("--no-mdns", "--all-nodes", NO_WARMUP),
         )
         daemons.append(coordinator)
         url = coordinator.wait_for(ENDPOINT)

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from coordinator.discovery import NodeDirectory
-from tests.daemons import ENDPOINT, LISTENING, Daemon, free_port, wait_until
+from tests.daemons import ENDPOINT, LISTENING, NO_WARMUP, Daemon, free_port, wait_until
 
 SEEN_DEADLINE_S = 15.0  # mDNS browse + resolve, then one heartbeat
 LEFT_DEADLINE_S = 10.0
@@ -68,7 +68,7 @@ def test_coordinator_finds_advertising_nodes(tmp_path: Path, daemons: list[Daemo
     node(first)
     port = free_port()
     coordinator = Daemon.start(
-        tmp_path / "coordinator.log", token, "coordinator", "--port", str(port)
+        tmp_path / "coordinator.log", token, "coordinator", "--port", str(port), NO_WARMUP
     )  # no --nodes: mDNS only
     daemons.append(coordinator)
     url = coordinator.wait_for(ENDPOINT)

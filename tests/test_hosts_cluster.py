@@ -29,7 +29,7 @@ import pytest
 from cluster.hosts.clusterfile import load_cluster_file
 from cluster.transport.node_client import NodeClient
 from tests import hostlab
-from tests.daemons import START_DEADLINE_S, free_port, wait_until
+from tests.daemons import NO_WARMUP, START_DEADLINE_S, free_port, wait_until
 
 if (missing := hostlab.available()) is not None:
     # In CI the lab must run (.ci/run installs sshd): a skip there would hide a broken setup.
@@ -123,7 +123,7 @@ class Up:
 
 def start_up(cluster_file: Path, log: Path) -> Up:
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "up", "--hosts", str(cluster_file)],
+        [sys.executable, "-m", "cluster", "up", "--hosts", str(cluster_file), NO_WARMUP],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

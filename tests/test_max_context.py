@@ -45,7 +45,7 @@ from cluster.placement import (
     plan_placement,
 )
 from coordinator.settings import CoordinatorSettings, MaxContextError, ServingOptions
-from tests.daemons import START_DEADLINE_S, stop_process_group, wait_until
+from tests.daemons import NO_WARMUP, START_DEADLINE_S, stop_process_group, wait_until
 from tests.fakes import FakeEngine, serve
 
 MODEL_CONTEXT = 8192  # the bundled model's max_position_embeddings
@@ -341,7 +341,7 @@ def _cluster(url: str) -> dict[str, Any]:
 
 def test_up_serves_the_limit_and_reports_the_request_caches(tmp_path: Path, footprint) -> None:
     limit = MODEL_CONTEXT - CONTEXT_STEP  # below the model's own: the flag's limit is served
-    with _up(tmp_path, "--max-context", str(limit), "--max-running", "2", "--no-warmup") as url:
+    with _up(tmp_path, "--max-context", str(limit), "--max-running", "2", NO_WARMUP) as url:
         _over_the_limit(url, limit)
         cluster = _cluster(url)
         assert cluster["admission"]["max_context"] == limit

@@ -20,7 +20,7 @@ from cluster.commands.generate import generate_command
 from cluster.config import bundled_model_path
 from cluster.model.convert import convert
 from cluster.model.loading import NO_MTP_HEAD, has_mtp_head
-from tests.daemons import START_DEADLINE_S, free_port, stop_process_group, wait_until
+from tests.daemons import NO_WARMUP, START_DEADLINE_S, free_port, stop_process_group, wait_until
 from tests.test_hub import lay_out_hub_cache, python_offline
 
 PROMPT = "def fibonacci(n):\n"
@@ -161,6 +161,7 @@ def test_the_coordinator_serves_without_drafts_and_says_so(
             str(checkpoints["bf16-no-mtp"]),
             "--mtp-depth",
             "2",
+            NO_WARMUP,
         ],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,

@@ -316,12 +316,11 @@ def test_a_predecessor_that_cannot_reach_the_step_port_streams_over_grpc(solo, m
     async def go() -> None:
         downstream = Downstream(solo.addresses[0], solo.token)
         try:
-            try:  # the node refuses the step (no shard); the write may return before it does
+            # The node refuses the step (no shard; the test above reads its reason). The write
+            # may return before the refusal, or fail with it, or, losing the race to the
+            # call's end, with gRPC core's own INTERNAL: which one is not this test's subject.
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await downstream.send(_step(1))
-            except grpc.aio.AioRpcError:
-                # A write racing the node's refusal fails as gRPC's own error; the call's
-                # status is the node's either way.
-                assert "no shard loaded" in await downstream._call.details()
             assert downstream.transport == "grpc" and not downstream.takes_records
         finally:
             await downstream.close()

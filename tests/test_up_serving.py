@@ -26,7 +26,7 @@ from cluster.commands.up import hosts_serving, up_command
 from cluster.config import bundled_model_path
 from cluster.hosts.clusterfile import load_cluster_file
 from coordinator.settings import CoordinatorSettings, OpenEndpointError, ServingOptions
-from tests.daemons import START_DEADLINE_S, stop_process_group, wait_until
+from tests.daemons import NO_WARMUP, START_DEADLINE_S, stop_process_group, wait_until
 
 _ENDPOINT = re.compile(r"OpenAI endpoint: (\S+)/v1")
 
@@ -132,7 +132,7 @@ def _up(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> Iterat
     yields its endpoint's URL."""
     log = tmp_path / "up.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "up", "--local", "1", "--port", "0", *argv],
+        [sys.executable, "-m", "cluster", "up", "--local", "1", "--port", "0", NO_WARMUP, *argv],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=os.environ if env is None else env,
