@@ -16,7 +16,8 @@ Then, on the nodes at the default chunk:
 - decode at a long context against a short one: tokens/s of one request after a prompt of
   the longest length and after `--short` tokens (TPOT, MTP off);
 - decode while a long prompt prefills (at each of `--itl-chunks`, by default the chunk the
-  coordinator measures for prompts that arrive while others decode): `--streams` requests
+  coordinator measures for prompts that arrive while others decode, after its warm-up of the
+  nodes with MTP off): `--streams` requests
   decode, then the longest prompt arrives; the running streams' gaps between tokens while it
   prefills, against their gaps before it (median and p99).
 """
@@ -40,7 +41,7 @@ from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine, GenerationRequest
 from cluster.decode.local_engine import open_local_engine
 from cluster.decode.remote_pipeline import PipelineSettings, open_remote_engine
-from cluster.decode.warmup import measure_chunks
+from cluster.decode.warmup import WarmupProgress, measure_chunks, plan_warmup, run_warmup
 from cluster.messages import RequestOptions
 
 MTP_OFF = RequestOptions(mtp=False)
@@ -138,7 +139,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             remote = await open_remote_engine(path, addresses, PipelineSettings(token))
             engines = {"one process": local.engine, f"{args.nodes} nodes": remote.engine}
             try:
-                report["prefill"] = await prefill_rounds(args, engines, prompts)
+                if args.rounds:
+                    report["prefill"] = await prefill_rounds(args, engines, prompts)
                 nodes = remote.engine
                 nodes.prefill_chunk = args.chunks[0] if args.default_chunk is None else (
                     args.default_chunk
@@ -158,6 +160,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 report["itl_while_prefilling"] = []
                 chunks = args.itl_chunks
                 if not chunks:  # the chunk the coordinator would choose, measured as it does
+                    steps = plan_warmup(
+                        prefill_chunk=nodes.prefill_chunk,
+                        max_running=args.streams + 1,
+                        max_context=nodes.max_context,
+                        mtp_depth=0,
+                        has_mtp=False,
+                    )
+                    await run_warmup(
+                        nodes.pipeline,
+                        steps,
+                        prefill_chunk=nodes.prefill_chunk,
+                        vocab_size=vocab,
+                        progress=WarmupProgress(),
+                    )
                     choice = await measure_chunks(nodes.pipeline, nodes.prefill_chunk, vocab)
                     report["chunk_choice"] = {
                         "decode_step_ms": choice.decode_step_s * 1e3,
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=_ints, default=[1024, 4096])
     parser.add_argument("--chunks", type=_ints, default=[512, 1024, 2048])
     parser.add_argument("--default-chunk", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="0: no side-by-side prefill")
     parser.add_argument("--short", type=int, default=512, help="the short context of TPOT")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument(
