@@ -15,11 +15,11 @@ every (length, chunk) on each side builds that shape: it is reported apart (`col
 Then, on the nodes at the default chunk:
 - decode at a long context against a short one: tokens/s of one request after a prompt of
   the longest length and after `--short` tokens (TPOT, MTP off);
-- decode while a long prompt prefills (at each of `--itl-chunks`, by default the chunk the
-  coordinator measures for prompts that arrive while others decode, after its warm-up of the
-  nodes with MTP off): `--streams` requests
-  decode, then the longest prompt arrives; the running streams' gaps between tokens while it
-  prefills, against their gaps before it (median and p99).
+- decode while a long prompt prefills, after the coordinator's warm-up of the nodes (MTP
+  off) and its measurement of the chunks: at each of `--itl-chunks`, a fixed chunk or
+  `paced` (the engine's pacer from the chunk measured, as the coordinator serves),
+  `--streams` requests decode, then the longest prompt arrives; the running streams' gaps
+  between tokens while it prefills, against their gaps before it (median and p99).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from cluster.decode.warmup import WarmupProgress, measure_chunks, plan_warmup, r
 from cluster.messages import RequestOptions
 
 MTP_OFF = RequestOptions(mtp=False)
+PACED = "paced"
 
 
 async def ttft(engine: GenerationEngine, prompt: tuple[int, ...], chunk: int) -> float:
@@ -158,35 +159,43 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 tp["long_over_short"] = tp["long_tps"] / tp["short_tps"]
                 print(f"decode tok/s: {tp}", flush=True)
                 report["itl_while_prefilling"] = []
-                chunks = args.itl_chunks
-                if not chunks:  # the chunk the coordinator would choose, measured as it does
-                    steps = plan_warmup(
-                        prefill_chunk=nodes.prefill_chunk,
-                        max_running=args.streams + 1,
-                        max_context=nodes.max_context,
-                        mtp_depth=0,
-                        has_mtp=False,
-                    )
-                    await run_warmup(
-                        nodes.pipeline,
-                        steps,
-                        prefill_chunk=nodes.prefill_chunk,
-                        vocab_size=vocab,
-                        progress=WarmupProgress(),
-                    )
-                    choice = await measure_chunks(nodes.pipeline, nodes.prefill_chunk, vocab)
-                    report["chunk_choice"] = {
-                        "decode_step_ms": choice.decode_step_s * 1e3,
-                        "prefill_ms": {n: s * 1e3 for n, s in choice.prefill_s.items()},
-                        "prefill_chunk": choice.prefill_chunk,
-                        "interleave_chunk": choice.interleave_chunk,
-                    }
-                    print(choice.line(), flush=True)
-                    chunks = [choice.interleave_chunk]
-                for chunk in chunks:
-                    nodes.prefill_chunk = chunk
-                    row = {"chunk": chunk}
+                # The coordinator's warm-up first, so no chunk meets a shape for the first
+                # time while it is timed; then the chunk it would choose, measured as it does.
+                steps = plan_warmup(
+                    prefill_chunk=nodes.prefill_chunk,
+                    max_running=args.streams + 1,
+                    max_context=nodes.max_context,
+                    mtp_depth=0,
+                    has_mtp=False,
+                )
+                await run_warmup(
+                    nodes.pipeline,
+                    steps,
+                    prefill_chunk=nodes.prefill_chunk,
+                    vocab_size=vocab,
+                    progress=WarmupProgress(),
+                )
+                choice = await measure_chunks(nodes.pipeline, nodes.prefill_chunk, vocab)
+                report["chunk_choice"] = {
+                    "decode_step_ms": choice.decode_step_s * 1e3,
+                    "prefill_ms": {n: s * 1e3 for n, s in choice.prefill_s.items()},
+                    "prefill_chunk": choice.prefill_chunk,
+                    "interleave_chunk": choice.interleave_chunk,
+                }
+                print(choice.line(), flush=True)
+                nodes.prefill_chunk = choice.prefill_chunk
+                for chunk in args.itl_chunks:
+                    # "paced": the engine's pacer, from the chunk measured; a number: fixed.
+                    paced = chunk == PACED
+                    nodes.interleave_chunk = choice.interleave_chunk if paced else int(chunk)
+                    nodes.pacer.fallback_gap_s = choice.decode_step_s
+                    nodes.pacer.adaptive = paced
+                    row: dict[str, Any] = {"chunk": chunk, "first_chunk": nodes.interleave_chunk}
                     row.update(await gaps_while_prefilling(nodes, vocab, longest, args.streams))
+                    row["last_chunk"] = nodes.interleave_chunk
+                    row["pacer_changes"] = [
+                        [c.before, c.after, round(c.ratio, 2)] for c in nodes.pacer.trace
+                    ]
                     report["itl_while_prefilling"].append(row)
                     print(f"while prefilling: {row}", flush=True)
             finally:
@@ -244,6 +253,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def _chunks(text: str) -> list[str]:
+    chunks = text.split(",")
+    for chunk in chunks:
+        if chunk != PACED and not (chunk.isdigit() and int(chunk) > 0):
+            raise argparse.ArgumentTypeError(f"a chunk is a size or {PACED!r}, got {chunk!r}")
+    return chunks
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = bench_parser("prefill_bench", __doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
@@ -258,7 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--short", type=int, default=512, help="the short context of TPOT")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument(
-        "--itl-chunks", type=_ints, default=None, help="chunk sizes of the ITL measurement"
+        "--itl-chunks",
+        type=_chunks,
+        default=[PACED],
+        help=f"the ITL measurement's chunks: sizes, or {PACED!r} (the engine's own pacing)",
     )
     parser.add_argument("--cache-limit-gb", type=float, default=8, help="MLX's buffer cache")
     args = parser.parse_args(argv)

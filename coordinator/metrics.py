@@ -142,6 +142,10 @@ class ClusterStats:
     # Requests continued on a new placement after a node loss, and those that could not be.
     replays_total: int = 0
     replays_failed: int = 0
+    # The chunk of a prompt that arrives while others decode, and its changes so far
+    # (cluster.decode.interleave).
+    interleave_chunk_tokens: int = 0
+    interleave_chunk_changes: int = 0
 
 
 class ClusterView(Protocol):
@@ -238,6 +242,8 @@ def render_prometheus(
         "cluster_prefix_cache_entries": stats.prefix_cache_entries,
         "cluster_replays": stats.replays_total,
         "cluster_replays_failed": stats.replays_failed,
+        "cluster_interleave_chunk_tokens": stats.interleave_chunk_tokens,
+        "cluster_interleave_chunk_changes": stats.interleave_chunk_changes,
     }
     for name, (kind, help_text) in _CLUSTER_METRICS.items():
         out.family(name, kind, help_text, [({}, cluster_values[name])])
@@ -312,6 +318,14 @@ _CLUSTER_METRICS: dict[str, tuple[str, str]] = {
     "cluster_prefix_cache_entries": ("gauge", "Prefixes cached on every node."),
     "cluster_replays": ("counter", "Requests replayed on a new placement after a node loss."),
     "cluster_replays_failed": ("counter", "Requests that lost their node and found no placement."),
+    "cluster_interleave_chunk_tokens": (
+        "gauge",
+        "Tokens per prefill chunk of a prompt that arrives while others decode.",
+    ),
+    "cluster_interleave_chunk_changes": (
+        "counter",
+        "Changes of that chunk to keep the decoding requests' gaps within budget.",
+    ),
 }
 
 

@@ -340,6 +340,7 @@ class Coordinator:
                 )
                 generation.prefill_chunk = choice.prefill_chunk
                 generation.interleave_chunk = choice.interleave_chunk
+                generation.pacer.fallback_gap_s = choice.decode_step_s
                 say(choice.line())
             except Exception as error:
                 if pipeline.failure is not None or pipeline is not self.pipeline:
@@ -561,6 +562,8 @@ class Coordinator:
             prefix_cache_misses=dict(index.stats.misses) if index else {},
             replays_total=replaying.replays_total if replaying else 0,
             replays_failed=replaying.replays_failed if replaying else 0,
+            interleave_chunk_tokens=self.generation.interleave_chunk if self.generation else 0,
+            interleave_chunk_changes=self.generation.pacer.changes if self.generation else 0,
         )
 
 

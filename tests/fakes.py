@@ -148,6 +148,8 @@ class FakeClusterView:
             requests_total=self.counters.requests_total,
             errors_total=self.counters.errors_total,
             model_id=MODEL_ID,
+            interleave_chunk_tokens=16,
+            interleave_chunk_changes=3,
         )
 
     def set_up(self, node_id: str, up: bool) -> None:

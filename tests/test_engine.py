@@ -12,6 +12,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.interleave import FEWEST
 from cluster.decode.local_engine import open_local_engine
 from cluster.messages import RequestError, RequestOptions
 
@@ -136,6 +137,7 @@ def _prefill_beside_a_decode(model_dir, prompts, decode_tokens: int):
         recorder = _ChunkRecorder(local.engine.pipeline)
         engine = GenerationEngine(recorder, prefill_chunk=16)
         engine.interleave_chunk = 4
+        engine.pacer.adaptive = False  # the chunk's size is not what this looks at
         long_prompt = (tuple(prompts[1]) * 8)[:40]
         try:
             alone = await engine.generate(GenerationRequest(long_prompt, 8, request_id="alone"))
@@ -180,6 +182,63 @@ def test_a_prompt_in_interleave_chunks_goes_on_in_whole_ones_once_no_other_decod
     assert sizes[0] == 4 and sum(sizes) == 40
     assert max(sizes) == 16 and len(sizes) < 10, sizes  # the rest in chunks of 16
     assert recorder.most_in_flight["joined"] > 1  # ... submitted together
+    assert alone == joined
+
+
+class _SlowChunks(_ChunkRecorder):
+    """A pipeline on which the "joined" request's prefill chunks take `chunk_s` each, and a
+    step that arrives meanwhile waits for the chunk, as a decode step batched with a chunk
+    does on a node."""
+
+    def __init__(self, pipeline, chunk_s: float) -> None:
+        super().__init__(pipeline)
+        self.chunk_s = chunk_s
+        self.busy = asyncio.Lock()
+
+    async def submit(self, step):
+        async with self.busy:
+            if step.request_id.startswith("joined"):
+                await asyncio.sleep(self.chunk_s)
+        return await super().submit(step)
+
+
+def test_a_prompt_arriving_while_others_decode_shortens_chunks_that_stall_them(
+    model_dir, prompts
+) -> None:
+    """Chunks that make the decoding request wait many of its steps are halved as the
+    prompt goes on (the pacer reads the request's gaps), and the answer is the same."""
+
+    async def go():
+        local = await open_local_engine(model_dir)
+        pipeline = _SlowChunks(local.engine.pipeline, chunk_s=0.3)
+        engine = GenerationEngine(pipeline, prefill_chunk=16)
+        long_prompt = (tuple(prompts[1]) * 50)[:200]
+        try:
+            alone = await engine.generate(GenerationRequest(long_prompt, 8, request_id="alone"))
+            decoded, done = asyncio.Event(), asyncio.Event()
+
+            async def decode() -> None:
+                request = GenerationRequest(tuple(prompts[0]), 1000, request_id="other")
+                tokens = 0
+                async for chunk in engine.stream(request):
+                    tokens += len(chunk.tokens)
+                    if tokens >= 12:  # its quiet gaps are known
+                        decoded.set()
+                    if done.is_set():
+                        return
+
+            running = asyncio.create_task(decode())
+            await decoded.wait()
+            joined = await engine.generate(GenerationRequest(long_prompt, 8, request_id="joined"))
+            done.set()
+            await running
+            return pipeline.prefill_sizes["joined"], alone.tokens, joined.tokens, engine.pacer
+        finally:
+            local.close()
+
+    sizes, alone, joined, pacer = run(go())
+    assert sizes[:FEWEST] == [16] * FEWEST and sum(sizes) == 200
+    assert min(sizes) < 16 and pacer.trace[0].before == 16 and pacer.trace[0].ratio > 2.4
     assert alone == joined
 
 

@@ -424,6 +424,8 @@ def test_metrics_are_prometheus_text(served: Served):
     assert samples[("cluster_requests_rejected_total", "")] == 1
     assert samples[("cluster_errors_total", "")] == 0
     assert samples[("cluster_requests_in_flight", "")] == 0
+    assert samples[("cluster_interleave_chunk_tokens", "")] == 16
+    assert samples[("cluster_interleave_chunk_changes_total", "")] == 3
     assert samples[("cluster_completion_tokens_total", "")] == len(tokenizer().encode(TEXT))
     served.view.set_up("mac-2", False)
     samples = _parse_prometheus(_request(served, "GET", "/metrics")[2].decode())

@@ -3,11 +3,11 @@
 The engine knows nothing of where the layers run: it submits steps to a `Pipeline` and reads
 the tail's results. A request is a prompt prefill (chunked; all chunks are submitted at once,
 so on a multi-node pipeline chunk k+1 enters the head while chunk k is further down; while
-other requests decode, in the smaller interleave chunk and one at a time, until none does), then
-decode steps. With MTP, each decode step feeds `[y, d1..dk]`: the last emitted token and the
-tail's drafts of the next ones (k is the request's MTP depth, fixed or the tail's choice); the
-result says how many positions stay, and the difference travels on the next step as its
-rollback signal.
+other requests decode, one at a time in the interleave chunk, which `InterleavePacer` keeps
+from the running streams' gaps, until none does), then decode steps. With MTP, each decode
+step feeds `[y, d1..dk]`: the last emitted token and the tail's drafts of the next ones (k is
+the request's MTP depth, fixed or the tail's choice); the result says how many positions
+stay, and the difference travels on the next step as its rollback signal.
 
 With a `PrefixIndex` (the conversation cache), a prompt that extends a cached prefix starts
 from that prefix's snapshot on every shard and prefills only the rest. New snapshots are kept
@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import cast
 
+from cluster.decode.interleave import InterleavePacer
 from cluster.decode.pipeline import Pipeline
 from cluster.decode.prefix_index import EVICTED, PrefixEntry, PrefixIndex, PrefixPipeline
 from cluster.decode.token_mask import TokenConstraint
@@ -112,11 +113,11 @@ class GenerationEngine:
         prefix_index: PrefixIndex | None = None,
     ):
         self.prefill_chunk = prefill_chunk
-        # The chunk of a prompt that arrives while other requests decode (None: the same):
-        # a decode step that shares a batch with a chunk waits for it, so a smaller chunk
-        # keeps the running streams' gaps between tokens short (measured after the warm-up:
-        # `cluster.decode.warmup.measure_chunks`).
-        self.interleave_chunk: int | None = None
+        # The chunk of a prompt that arrives while other requests decode: a decode step that
+        # shares a batch with a chunk waits for it, so the pacer keeps it as long as the
+        # running streams' gaps allow (from `interleave_chunk`, which the coordinator
+        # measures after its warm-up: `cluster.decode.warmup.measure_chunks`).
+        self.pacer = InterleavePacer(prefill_chunk, prefill_chunk)
         self._decoding = 0  # requests past their prefill, not yet ended
         self.prefix_index = prefix_index  # the pipeline must be a PrefixPipeline too
         self._background: set[asyncio.Task] = set()
@@ -137,6 +138,16 @@ class GenerationEngine:
     @property
     def max_context(self) -> int:
         return self.pipeline.max_context
+
+    @property
+    def interleave_chunk(self) -> int:
+        return min(self.pacer.size, self.prefill_chunk)
+
+    @interleave_chunk.setter
+    def interleave_chunk(self, size: int) -> None:
+        """Start pacing from `size` tokens (at most the prefill chunk), learning afresh."""
+        size = min(size, self.prefill_chunk)
+        self.pacer = InterleavePacer(size, self.prefill_chunk, self.pacer.fallback_gap_s)
 
     async def stream(
         self, request: GenerationRequest, resume: ResumePoint | None = None
@@ -177,6 +188,7 @@ class GenerationEngine:
                 rid, entry = _run_id(request), None
                 saves = self._save_points(request, None)
                 step, result = await self._prefill(rid, request, None, saves)
+            self.pacer.decoded(rid, time.perf_counter())
             cached = self._count_prefill(request, entry, saves)
             produced = drafted = accepted = 0
             decoding = True
@@ -196,8 +208,10 @@ class GenerationEngine:
                 step = _following_step(step, result, tokens, drafts, request)
                 settled = None
                 result = await self.pipeline.submit(step)
+                self.pacer.decoded(rid, time.perf_counter())
         finally:
             self._decoding -= decoding
+            self.pacer.finished(rid)
             await asyncio.shield(self._end(rid, request, settled, fed))
 
     async def _resumed(
@@ -305,58 +319,29 @@ class GenerationEngine:
         `saves` (position -> snapshot id), where the chunk that ends keeps that snapshot.
         While other requests decode, in the interleave chunk and one at a time; the rest
         together, in whole chunks, as soon as none does."""
-        begin = entry.length if entry else 0
-        if self._decoding == 0:
-            steps = self._prompt_steps(rid, request, entry, saves, begin, self.prefill_chunk)
-            return steps[-1], (await _submit_all(self.pipeline, steps))[-1]
-        size = min(self.prefill_chunk, self.interleave_chunk or self.prefill_chunk)
-        steps = self._prompt_steps(rid, request, entry, saves, begin, size)
+        start = entry.length if entry else 0
         # Each chunk once the one before it has come back: the chunks then hold one node at a
         # time, and a decode step meets at most one of them on its way through the pipeline.
         # Streaming through every node at once, they would make it wait behind one on every
         # node. (Each chunk sent right behind a round of the others' decode steps prefilled
         # 1.7x faster on the CPU, but made their p99 gap a third longer.)
-        for i, step in enumerate(steps):
-            result = await self.pipeline.submit(step)
-            if i + 1 < len(steps) and self._decoding == 0:
-                start = steps[i + 1].position
-                rest = self._prompt_steps(rid, request, entry, saves, start, self.prefill_chunk)
-                return rest[-1], (await _submit_all(self.pipeline, rest))[-1]
-        return steps[-1], result
-
-    def _prompt_steps(
-        self,
-        rid: str,
-        request: GenerationRequest,
-        entry: PrefixEntry | None,
-        saves: dict[int, int],
-        start: int,
-        size: int,
-    ) -> list[StepRequest]:
-        """The prompt's steps from `start`, in chunks of `size` cut at the positions of
-        `saves`; the request's first step (at `entry`'s end) opens it."""
-        prompt, begin = request.prompt, entry.length if entry else 0
-        ends: list[int] = []
-        for stop in (*sorted(p for p in saves if start < p < len(prompt)), len(prompt)):
-            first = ends[-1] if ends else start
-            ends += range(min(first + size, stop), stop, size)
-            ends.append(stop)
-        starts = [start, *ends[:-1]]
-        steps = [
-            StepRequest(
-                rid,
-                prompt[i:end],
-                position=i,
-                sample=end == len(prompt),
-                options=request.options if i == begin else None,
-                prefix_from=entry.snapshot_id if entry and i == begin else 0,
-                prefix_save=saves.get(end, 0),
-            )
-            for i, end in zip(starts, ends, strict=True)
-        ]
-        if request.constraint is not None:
-            steps[-1] = replace(steps[-1], token_masks=request.constraint.masks(()))
-        return steps
+        cut = _PromptCut(rid, request, entry, saves)
+        while self._decoding:
+            step = cut.step(start, self.interleave_chunk)
+            self.pacer.sent(interleaved=True)
+            try:
+                result = await self.pipeline.submit(step)
+            finally:
+                self.pacer.returned(time.perf_counter(), interleaved=True)
+            start = step.position + len(step.tokens)
+            if start == len(request.prompt):
+                return step, result
+        steps = cut.steps(start, self.prefill_chunk)
+        self.pacer.sent(interleaved=False)
+        try:
+            return steps[-1], (await _submit_all(self.pipeline, steps))[-1]
+        finally:
+            self.pacer.returned(time.perf_counter(), interleaved=False)
 
     # -- the conversation cache -------------------------------------------------------------
 
@@ -440,6 +425,46 @@ class GenerationEngine:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptCut:
+    """A request's prompt as prefill steps of run `rid`, from the end of `entry` (a cached
+    prefix) or from 0, cut at the positions of `saves` (position -> snapshot id, which the
+    step that ends there keeps)."""
+
+    rid: str
+    request: GenerationRequest
+    entry: PrefixEntry | None
+    saves: dict[int, int]
+
+    def steps(self, start: int, size: int) -> list[StepRequest]:
+        """The steps from `start` to the prompt's end, `size` tokens each where no position
+        of `saves` comes first."""
+        steps: list[StepRequest] = []
+        while start < len(self.request.prompt):
+            steps.append(self.step(start, size))
+            start += len(steps[-1].tokens)
+        return steps
+
+    def step(self, start: int, size: int) -> StepRequest:
+        """The step from `start`: `size` tokens, or fewer where a position of `saves` or the
+        prompt's end comes first. The request's first step opens it; the last one samples."""
+        request, entry = self.request, self.entry
+        prompt, begin = request.prompt, entry.length if entry else 0
+        end = min(start + size, len(prompt), *(p for p in self.saves if p > start))
+        step = StepRequest(
+            self.rid,
+            prompt[start:end],
+            position=start,
+            sample=end == len(prompt),
+            options=request.options if start == begin else None,
+            prefix_from=entry.snapshot_id if entry and start == begin else 0,
+            prefix_save=self.saves.get(end, 0),
+        )
+        if end == len(prompt) and request.constraint is not None:
+            step = replace(step, token_masks=request.constraint.masks(()))
+        return step
 
 
 async def _submit_all(pipeline: Pipeline, steps: list[StepRequest]) -> list[StepResult]:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cluster.decode.engine import GenerationEngine, GenerationRequest
+from cluster.decode.interleave import SHORTEST_CHUNK
 from cluster.decode.mtp_depth import AUTO_MAX_DEPTH
 from cluster.decode.pipeline import Pipeline
 from cluster.messages import MtpDepth, RequestOptions, SamplingParams, StepRequest, StepResult
@@ -51,7 +52,9 @@ log = logging.getLogger(__name__)
 # Each request of a decode step: short (its decode is the point, and on a CPU a prompt
 # costs per position), and within the context.
 DECODE_PROMPT_TOKENS = 4
-SHORTEST_PREFILL = 4  # the shortest last chunk warmed; powers of two from here to the chunk
+# The shortest last chunk warmed; powers of two from here to the chunk (the shortest a prompt
+# that arrives while others decode is cut in).
+SHORTEST_PREFILL = SHORTEST_CHUNK
 CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # The users' prompts of a wave: prefilled several at once, then decoded in the batches (and
 # caches) that such prefills leave, with MTP as served (under `auto`, requests of one batch at
