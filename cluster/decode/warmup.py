@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 # Each request of a decode step: short (its decode is the point, and on a CPU a prompt
 # costs per position), and within the context.
 DECODE_PROMPT_TOKENS = 4
-# The shortest last chunk warmed; powers of two from here to the chunk (the shortest a prompt
-# that arrives while others decode is cut in).
-SHORTEST_PREFILL = SHORTEST_CHUNK
 CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # The users' prompts of a wave: prefilled several at once, then decoded in the batches (and
 # caches) that such prefills leave, with MTP as served (under `auto`, requests of one batch at
@@ -164,7 +161,7 @@ class Driven:
 
 
 def prefill_lengths(prefill_chunk: int, max_context: int) -> list[int]:
-    """Prompt lengths whose prefill the warm-up runs: powers of two from SHORTEST_PREFILL
+    """Prompt lengths whose prefill the warm-up runs: powers of two from SHORTEST_CHUNK
     below the chunk (shorter last chunks), then a full chunk and a short one (the chunk's
     shape, and a chunk at an offset that attends over the cache); within the context.
 
@@ -175,11 +172,11 @@ def prefill_lengths(prefill_chunk: int, max_context: int) -> list[int]:
     (rows 8 and 24 each built a kernel after 4, 16 and 64 had run; a first 128-token prompt
     waited 320 ms after 64 and 256), so a first prompt, or a held-back run of MTP pairs, of
     such a length waited for one."""
-    lengths, n = [], SHORTEST_PREFILL
+    lengths, n = [], SHORTEST_CHUNK
     while n < prefill_chunk:
         lengths.append(n)
         n *= 2
-    lengths.append(prefill_chunk + min(SHORTEST_PREFILL, prefill_chunk))
+    lengths.append(prefill_chunk + min(SHORTEST_CHUNK, prefill_chunk))
     # Room for the one token each prefill request samples.
     return [n for n in lengths if n < max_context]
 
@@ -404,7 +401,7 @@ def choose_prefill_chunk(
 
 async def measure_chunks(pipeline: Pipeline, prefill_chunk: int, vocab_size: int) -> ChunkChoice:
     """Time, on a warm pipeline, one request's decode step and a prefill of each length in
-    powers of two from SHORTEST_PREFILL to `prefill_chunk` (the second run of each shape, the
+    powers of two from SHORTEST_CHUNK to `prefill_chunk` (the second run of each shape, the
     warm-up having run the first) and, where cheap, of LONGER_CHUNKS (each run twice, the
     first building it); choose the prefill chunk, and the chunk for prompts that arrive while
     others decode. Within the context of `pipeline`."""
