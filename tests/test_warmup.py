@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import re
 from pathlib import Path
 
 import aiohttp
@@ -264,7 +265,7 @@ def test_the_coordinator_is_ready_only_once_every_shape_ran_on_every_node(
                 assert [i.active_requests for i in infos] == [0, 0, 0]
                 assert [i.prefix_snapshots for i in infos] == [0, 0, 0]
                 texts = await _greedy_texts(http, url, tokenizer)
-            seen.update(cluster=cluster, metrics=metrics)
+            seen.update(cluster=cluster, metrics=metrics, out=out)
             return marks, texts
         finally:
             await _stop(task)
@@ -277,6 +278,10 @@ def test_the_coordinator_is_ready_only_once_every_shape_ran_on_every_node(
     assert warmup["seconds"] > 0 and not warmup["skipped"] and not warmup["error"]
     seconds = next(line for line in metrics.splitlines() if line.startswith("cluster_warmup_"))
     assert float(seconds.split()[1]) > 0
+    # The chunk measured for prompts that arrive while others decode is the one served.
+    interleave = re.search(r"prefill chunk \d+ tokens, (\d+) while others decode", seen["out"])
+    assert interleave, seen["out"]
+    assert f"cluster_interleave_chunk_tokens {interleave[1]}\n" in metrics
     # Synthetic requests are no requests: nothing counted, nothing cached.
     stats = cluster["stats"]
     assert stats["requests_total"] == 0 and stats["tokens_per_s"] == 0
