@@ -110,6 +110,9 @@ class NodeStatus(Stage):
     # what holds it or why nothing does (node.keep_awake).
     keeps_awake: bool = False
     keep_awake_note: str = ""
+    # What the node's last load built ahead of the warm-up (cluster.decode.kernel_builds);
+    # empty where kernels are not compiled at first use.
+    kernel_builds: str = ""
 
     @property
     def hop_state(self) -> str:

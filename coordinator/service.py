@@ -33,10 +33,10 @@ from cluster.decode.remote_pipeline import (
     load_pipeline,
 )
 from cluster.decode.warmup import (
+    WarmupArgs,
     WarmupHook,
     WarmupProgress,
     measure_chunks,
-    plan_warmup,
     run_warmup,
 )
 from cluster.model.footprint import ModelFootprint, model_max_context
@@ -298,7 +298,19 @@ class Coordinator:
             node_model_dir=settings.node_model_dir,
             pinned_addresses=settings.pinned_addresses,
             adopt=settings.adopt_shards,  # keep shards that nodes already hold (no reload)
+            warmup=self._warmup_args() if settings.warmup else None,
             **fetch,
+        )
+
+    def _warmup_args(self) -> WarmupArgs:
+        """What every warm-up of this coordinator runs (each placement measures its chunks
+        afresh, from the default one)."""
+        return WarmupArgs(
+            prefill_chunk=DEFAULT_PREFILL_CHUNK,
+            max_running=self.settings.max_running,
+            max_context=self.max_context or 0,
+            mtp_depth=self.settings.mtp_depth,
+            has_mtp=self.has_mtp_head,
         )
 
     async def warm_up(self, hook: WarmupHook | None = None) -> None:
@@ -313,15 +325,9 @@ class Coordinator:
         async with self._warming:
             pipeline, generation = self.pipeline, self.generation
             assert pipeline is not None and generation is not None
-            # Each placement measures its chunks afresh, from the default one.
-            chunk = DEFAULT_PREFILL_CHUNK
-            steps = plan_warmup(
-                prefill_chunk=chunk,
-                max_running=self.settings.max_running,
-                max_context=min(self.max_context or pipeline.max_context, pipeline.max_context),
-                mtp_depth=self.settings.mtp_depth,
-                has_mtp=self.has_mtp_head,
-            )
+            args = self._warmup_args()
+            chunk = args.prefill_chunk
+            steps = args.plan(pipeline.max_context)
             say = _say if self.settings.announce else log.info
             if self.admission is not None:
                 self.admission.pause()
@@ -538,6 +544,7 @@ class Coordinator:
             step_phases_ms=step_phases_ms(info),
             keeps_awake=info.keeps_awake,
             keep_awake_note=info.keep_awake_note,
+            kernel_builds=info.kernel_builds,
         )
 
     def coordinator_links(self) -> list[CoordinatorLinkStatus]:

@@ -26,7 +26,9 @@ from mlx.utils import tree_flatten
 from cluster import __version__
 from cluster.config import ModelDirError
 from cluster.decode import late_input
+from cluster.decode.kernel_builds import KernelBuildReport, KernelPlan, build_kernels
 from cluster.decode.runner import ShardRunner
+from cluster.decode.warmup import WarmupArgs
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError
 from cluster.model.loading import load_shard
@@ -53,6 +55,16 @@ MIN_MLX_CACHE_BYTES = 32 * 2**20
 
 def _no_reply(event: pb.StepEvent) -> None:
     """The TCP step stream is one-way (errors reach the driver over Results)."""
+
+
+def warmup_from_proto(m: pb.WarmupPlan) -> WarmupArgs:
+    return WarmupArgs(
+        prefill_chunk=m.prefill_chunk,
+        max_running=m.max_running,
+        max_context=m.max_context,
+        mtp_depth="auto" if m.mtp_depth_auto else m.mtp_depth,
+        has_mtp=m.has_mtp,
+    )
 
 
 def mlx_cache_limit(runner: ShardRunner, weights_bytes: int) -> int:
@@ -189,6 +201,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.links = [link.to_proto() for link in local_links()]
         self.hop: HopChoice | None = None  # the link to the successor
         self.shard_loads = 0
+        self.kernel_builds: KernelBuildReport | None = None  # of the last load
         self.weights_bytes = 0
         self.started = time.monotonic()
         self.step_port = 0  # the step stream's TCP port (`cluster.transport.step_link`); 0: none
@@ -231,9 +244,25 @@ class NodeService(pb_grpc.NodeServicer):
                 spec = ShardSpec(request.start, request.end, request.is_head, request.is_tail)
                 dtype = getattr(mx, request.dtype) if request.dtype else None
                 model_dir = await self.weights.model_dir(request, context.peer())
-                shard = await self.worker.run(
-                    load_shard, model_dir, spec, dtype=dtype, for_decoding=True
-                )
+                builds = None
+                if request.HasField("warmup"):
+                    plan = KernelPlan(
+                        str(model_dir), request.dtype, warmup_from_proto(request.warmup),
+                        (spec.start, spec.end),
+                    )  # fmt: skip
+                    builds = asyncio.create_task(build_kernels(plan))
+                try:
+                    shard = await self.worker.run(
+                        load_shard, model_dir, spec, dtype=dtype, for_decoding=True
+                    )
+                except BaseException:
+                    if builds is not None:
+                        builds.cancel()
+                    raise
+                if builds is not None:  # the warm-up that follows reads what they built
+                    self.kernel_builds = await builds
+                    if self.kernel_builds.applies:
+                        log.info("%s", self.kernel_builds.line())
             except ShardWeightsError as error:
                 await context.abort(error.code, f"cannot load shard: {error}")
             except (ModelDirError, ValueError, OSError, AttributeError) as error:
@@ -409,6 +438,8 @@ class NodeService(pb_grpc.NodeServicer):
         info.shard_loads = self.shard_loads
         info.keeps_awake = self.keep_awake.holding
         info.keep_awake_note = self.keep_awake.reason
+        if self.kernel_builds is not None and self.kernel_builds.applies:
+            info.kernel_builds = self.kernel_builds.line()
         if self.hop is not None and self.stage is not None:
             info.hop.CopyFrom(self.hop.to_proto())
             self._fill_hop_link(info.hop)

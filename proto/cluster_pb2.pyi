@@ -45,7 +45,7 @@ class ShardSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., next_node_pinned: _Optional[bool] = ..., next_node_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "links", "hop", "shard_loads", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "mtp_steps_decided", "mtp_steps_plain", "mtp_drafts_chosen", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes", "step_phases", "steps_ahead_used", "steps_ahead_undone", "step_port", "step_records", "keeps_awake", "keep_awake_note")
+    __slots__ = ("node_id", "version", "device", "memory_total_bytes", "memory_used_bytes", "weights_bytes", "cache_bytes", "cache_budget_bytes", "shard", "active_requests", "steps_total", "step_latency_ms", "uptime_s", "weights_fetched_bytes", "weights_fetch_total_bytes", "weights_received_bytes", "cached_models", "positions_computed", "prefix_snapshots", "prefix_snapshot_bytes", "prefix_budget_bytes", "prefix_resumes", "links", "hop", "shard_loads", "busy_seconds_total", "batches_total", "next_hop_rtt_ms", "chip", "os", "cpu_count", "mtp_steps_decided", "mtp_steps_plain", "mtp_drafts_chosen", "epoch", "mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "mlx_cache_limit_bytes", "step_phases", "steps_ahead_used", "steps_ahead_undone", "step_port", "step_records", "keeps_awake", "keep_awake_note", "kernel_builds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class NodeInfo(_message.Message):
     STEP_RECORDS_FIELD_NUMBER: _ClassVar[int]
     KEEPS_AWAKE_FIELD_NUMBER: _ClassVar[int]
     KEEP_AWAKE_NOTE_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_BUILDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     device: str
@@ -138,7 +139,8 @@ class NodeInfo(_message.Message):
     step_records: bool
     keeps_awake: bool
     keep_awake_note: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., hop: _Optional[_Union[HopLink, _Mapping]] = ..., shard_loads: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., mtp_steps_decided: _Optional[int] = ..., mtp_steps_plain: _Optional[int] = ..., mtp_drafts_chosen: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ..., step_phases: _Optional[_Union[StepPhases, _Mapping]] = ..., steps_ahead_used: _Optional[int] = ..., steps_ahead_undone: _Optional[int] = ..., step_port: _Optional[int] = ..., step_records: _Optional[bool] = ..., keeps_awake: _Optional[bool] = ..., keep_awake_note: _Optional[str] = ...) -> None: ...
+    kernel_builds: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., active_requests: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., uptime_s: _Optional[float] = ..., weights_fetched_bytes: _Optional[int] = ..., weights_fetch_total_bytes: _Optional[int] = ..., weights_received_bytes: _Optional[int] = ..., cached_models: _Optional[_Iterable[_Union[WeightsCachedModel, _Mapping]]] = ..., positions_computed: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., prefix_snapshot_bytes: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., prefix_resumes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., hop: _Optional[_Union[HopLink, _Mapping]] = ..., shard_loads: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., batches_total: _Optional[int] = ..., next_hop_rtt_ms: _Optional[float] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., mtp_steps_decided: _Optional[int] = ..., mtp_steps_plain: _Optional[int] = ..., mtp_drafts_chosen: _Optional[int] = ..., epoch: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., mlx_cache_limit_bytes: _Optional[int] = ..., step_phases: _Optional[_Union[StepPhases, _Mapping]] = ..., steps_ahead_used: _Optional[int] = ..., steps_ahead_undone: _Optional[int] = ..., step_port: _Optional[int] = ..., step_records: _Optional[bool] = ..., keeps_awake: _Optional[bool] = ..., keep_awake_note: _Optional[str] = ..., kernel_builds: _Optional[str] = ...) -> None: ...
 
 class StepPhases(_message.Message):
     __slots__ = ("queued_ms", "handoff_ms", "decode_ms", "layers_ms", "encode_ms", "send_ms")
@@ -157,7 +159,7 @@ class StepPhases(_message.Message):
     def __init__(self, queued_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., layers_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., send_ms: _Optional[float] = ...) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes", "next_node_links", "next_node_id", "epoch", "micro_batches")
+    __slots__ = ("model_dir", "start", "end", "is_head", "is_tail", "dtype", "next_node", "cache_budget_bytes", "model_id", "model_digest", "weights_port", "weights_address", "prefix_budget_bytes", "next_node_links", "next_node_id", "epoch", "micro_batches", "warmup")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +177,7 @@ class LoadShardRequest(_message.Message):
     NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     start: int
     end: int
@@ -192,7 +195,24 @@ class LoadShardRequest(_message.Message):
     next_node_id: str
     epoch: int
     micro_batches: int
-    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ..., next_node_links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., next_node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
+    warmup: WarmupPlan
+    def __init__(self, model_dir: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., dtype: _Optional[str] = ..., next_node: _Optional[str] = ..., cache_budget_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., weights_port: _Optional[int] = ..., weights_address: _Optional[str] = ..., prefix_budget_bytes: _Optional[int] = ..., next_node_links: _Optional[_Iterable[_Union[NodeLink, _Mapping]]] = ..., next_node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., warmup: _Optional[_Union[WarmupPlan, _Mapping]] = ...) -> None: ...
+
+class WarmupPlan(_message.Message):
+    __slots__ = ("prefill_chunk", "max_running", "max_context", "mtp_depth", "mtp_depth_auto", "has_mtp")
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MTP_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MTP_DEPTH_AUTO_FIELD_NUMBER: _ClassVar[int]
+    HAS_MTP_FIELD_NUMBER: _ClassVar[int]
+    prefill_chunk: int
+    max_running: int
+    max_context: int
+    mtp_depth: int
+    mtp_depth_auto: bool
+    has_mtp: bool
+    def __init__(self, prefill_chunk: _Optional[int] = ..., max_running: _Optional[int] = ..., max_context: _Optional[int] = ..., mtp_depth: _Optional[int] = ..., mtp_depth_auto: _Optional[bool] = ..., has_mtp: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")

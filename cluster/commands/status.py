@@ -73,6 +73,9 @@ def status_command(url: str, api_key: str | None, as_json: bool) -> None:
         f"keeping their Mac awake: {', '.join(awake) or 'none'}"
         + (f"; not: {', '.join(asleep)}" if asleep else "")
     )
+    for node in nodes:
+        if node.get("kernel_builds"):
+            click.echo(f"{node['node_id']}: {node['kernel_builds']}")
 
 
 def _describe_hop(hop: dict) -> str:

@@ -27,6 +27,7 @@ import grpc
 
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine
+from cluster.decode.warmup import WarmupArgs
 from cluster.messages import StepRequest, StepResult
 from cluster.model.shard import even_ranges, shard_specs
 from cluster.transport import step_records
@@ -452,7 +453,8 @@ class PipelineSettings:
     is, without timing the others. `adopt`: keep the shards the nodes already hold when they
     form exactly this pipeline. `micro_batches`: the groups the head runs the live requests
     in (None: one per node; 1: one batch of all that is queued). `links`: use the nodes' TCP
-    streams where they serve them (False: gRPC's)."""
+    streams where they serve them (False: gRPC's). `warmup`: the warm-up the driver runs after
+    the load, which the nodes build their kernels for while they load (None: none)."""
 
     token: str = field(repr=False)  # the cluster secret: kept out of logs
     tls: TLSConfig | None = None
@@ -467,6 +469,19 @@ class PipelineSettings:
     adopt: bool = False
     micro_batches: int | None = None
     links: bool = True
+    warmup: WarmupArgs | None = None
+
+
+def warmup_to_proto(args: WarmupArgs) -> pb.WarmupPlan:
+    auto = args.mtp_depth == "auto"
+    return pb.WarmupPlan(
+        prefill_chunk=args.prefill_chunk,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        mtp_depth=0 if auto else args.mtp_depth,
+        mtp_depth_auto=auto,
+        has_mtp=args.has_mtp,
+    )
 
 
 @dataclass
@@ -538,6 +553,8 @@ async def load_pipeline(
                     request.next_node_links.extend(infos[i + 1].links)
             if s.cache_budget_bytes is not None:
                 request.cache_budget_bytes = s.cache_budget_bytes
+            if s.warmup is not None:
+                request.warmup.CopyFrom(warmup_to_proto(s.warmup))
             if prefix_budgets[i] is not None:
                 request.prefix_budget_bytes = prefix_budgets[i]
             requests.append(request)

@@ -190,6 +190,29 @@ def decode_variants(mtp_depth: MtpDepth, has_mtp: bool) -> tuple[Variant, ...]:
     return (Variant(False), *(Variant(True, d) for d in depths))
 
 
+@dataclass(frozen=True, slots=True)
+class WarmupArgs:
+    """`plan_warmup`'s arguments, as a coordinator calls it: the prefill chunk, the admission
+    limit, the context (0: the model's), the served MTP depth, and whether the model drafts."""
+
+    prefill_chunk: int
+    max_running: int
+    max_context: int
+    mtp_depth: MtpDepth
+    has_mtp: bool
+
+    def plan(self, model_context: int) -> list[WarmupStep]:
+        """The plan, on a model of `model_context` positions."""
+        context = min(self.max_context or model_context, model_context)
+        return plan_warmup(
+            prefill_chunk=self.prefill_chunk,
+            max_running=self.max_running,
+            max_context=context,
+            mtp_depth=self.mtp_depth,
+            has_mtp=self.has_mtp,
+        )
+
+
 def plan_warmup(
     *,
     prefill_chunk: int,

@@ -97,6 +97,7 @@ def load_shard(
     mtp: bool = True,
     for_decoding: bool = False,
     fast_path: DecodeFastPath | None = None,
+    fill_missing: bool = False,
 ) -> ModelShard:
     """Build the shard for `spec` (the whole model by default) and load its tensors.
 
@@ -106,13 +107,15 @@ def load_shard(
     it (on CUDA) the quantized ones run the few-row kernel (`cluster.model.few_row_matmul`).
     The shard steps with `fast_path` (None: `DecodeFastPath.for_device()`).
     A config that declares MTP on a checkpoint without any `mtp.*` tensor (mlx-lm's own
-    conversion drops them) loads without it, with a warning.
+    conversion drops them) loads without it, with a warning. `fill_missing` makes every
+    parameter the directory lacks zeros, unquantized, the MTP head's too: a shard whose values
+    do not matter (`cluster.decode.kernel_builds` runs one for the kernels its steps compile).
     """
     config = load_model_config(model_dir)
     index = CheckpointIndex.read(config.path)
     spec = spec or ShardSpec.whole(config.num_layers)
     with_mtp = mtp and spec.is_tail and config.mtp_layers > 0
-    if with_mtp and not index.has_mtp:
+    if with_mtp and not index.has_mtp and not fill_missing:
         log.warning(
             "%s declares %d MTP layer(s) but ships no mtp.* tensors: %s",
             config.path,
@@ -126,6 +129,8 @@ def load_shard(
     if config.quantization:
         _quantize_like_checkpoint(shard, weights, config)
         wanted = dict(tree_flatten(shard.parameters()))
+    if fill_missing:
+        weights |= {k: mx.zeros(v.shape, v.dtype) for k, v in wanted.items() if k not in weights}
     _check_complete(wanted, weights, config.path, spec)
     weights = {k: _cast(k, v, dtype, config) for k, v in weights.items()}
     shard.load_weights(list(weights.items()), strict=True)
