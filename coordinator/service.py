@@ -331,23 +331,26 @@ class Coordinator:
             say = _say if self.settings.announce else log.info
             if self.admission is not None:
                 self.admission.pause()
+            vocab_size = load_model_config(self.model_dir).text.vocab_size
+
+            async def measure() -> None:
+                choice = await measure_chunks(pipeline, chunk, vocab_size)
+                generation.prefill_chunk = choice.prefill_chunk
+                generation.interleave_chunk = choice.interleave_chunk
+                generation.pacer.fallback_gap_s = choice.decode_step_s
+                say(choice.line())
+
             try:
                 await run_warmup(
                     pipeline,
                     steps,
                     prefill_chunk=chunk,
-                    vocab_size=load_model_config(self.model_dir).text.vocab_size,
+                    vocab_size=vocab_size,
                     progress=self.warmup,
                     hook=hook,
                     say=say,
+                    last=("timing prefill chunks", measure),
                 )
-                choice = await measure_chunks(
-                    pipeline, chunk, load_model_config(self.model_dir).text.vocab_size
-                )
-                generation.prefill_chunk = choice.prefill_chunk
-                generation.interleave_chunk = choice.interleave_chunk
-                generation.pacer.fallback_gap_s = choice.decode_step_s
-                say(choice.line())
             except Exception as error:
                 if pipeline.failure is not None or pipeline is not self.pipeline:
                     log.info("warm-up cut short (%s); the new placement warms up again", error)

@@ -155,6 +155,36 @@ def test_warmup_in_one_process_runs_every_planned_shape_and_releases_it(model_di
     assert progress.state == "ready" and progress.done == progress.total
 
 
+def test_the_last_task_runs_while_the_warmup_still_says_warming(model_dir: Path, arun):
+    """The coordinator's chunk timing runs as the warm-up's last line: /health and `up` say
+    ready only after it, not while it still holds the admission queue."""
+    seen: list[tuple[str, str, int, int]] = []
+
+    async def scenario() -> WarmupProgress:
+        local = await open_local_engine(model_dir, mtp=False)
+        try:
+            progress = WarmupProgress("warming")
+
+            async def timing() -> None:
+                seen.append((progress.state, progress.step, progress.done, progress.total))
+
+            await run_warmup(
+                local.engine.pipeline,
+                [WarmupStep("prefill", 4, (Variant(False),))],
+                prefill_chunk=32,
+                vocab_size=local.config.text.vocab_size,
+                progress=progress,
+                last=("timing prefill chunks", timing),
+            )
+            return progress
+        finally:
+            local.close()
+
+    progress = arun(scenario())
+    assert seen == [("warming", "timing prefill chunks", 1, 2)]
+    assert progress.state == "ready" and progress.done == progress.total == 2
+
+
 # ---- the coordinator over node daemons ----
 
 

@@ -464,8 +464,9 @@ async def measure_chunks(pipeline: Pipeline, prefill_chunk: int, vocab_size: int
     return ChunkChoice(decode_step_s, timed, stages, chosen, min(interleave, chosen))
 
 
-# Called before each step (`progress.step` names it) and once more at the end: a test
-# holds the warm-up here, or reads the nodes' counters between steps.
+# Called before each step (`progress.step` names it) and once more after the last one (before
+# `run_warmup`'s `last`): a test holds the warm-up here, or reads the nodes' counters between
+# steps.
 WarmupHook = Callable[[WarmupProgress], Awaitable[None]]
 
 
@@ -481,13 +482,16 @@ async def run_warmup(
     progress: WarmupProgress,
     hook: WarmupHook | None = None,
     say: Callable[[str], None] | None = None,
+    last: tuple[str, Callable[[], Awaitable[None]]] | None = None,
 ) -> None:
     """Run `steps` through `pipeline` (prompts cut in `prefill_chunk` chunks, as the serving
-    engine cuts them), reporting in `progress` and, line by line, to `say`. Raises what a
-    request meets (a node lost: `NodeUnavailable`); `progress` then stays "warming"."""
+    engine cuts them), reporting in `progress` and, line by line, to `say`; then `last` (a
+    label and what it runs: the coordinator's chunk measurement), still warming, so that
+    `/health` says ready only once it too is done. Raises what a request meets (a node lost:
+    `NodeUnavailable`); `progress` then stays "warming"."""
     recorder = _Recorder(pipeline)
     engine = GenerationEngine(recorder, prefill_chunk=prefill_chunk)  # no conversation cache
-    progress.begin(len(steps))
+    progress.begin(len(steps) + (last is not None))
     for i, step in enumerate(steps):
         progress.done, progress.step = i, step.label
         if say is not None:
@@ -500,12 +504,18 @@ async def run_warmup(
                 for request in step.requests(variant, vocab_size):
                     group.create_task(_drain(engine, request))
             progress.driven.append(recorder.driven(step.kind, variant))
-    progress.done = len(steps)
+    if hook is not None:  # after the steps, before `last`: it drives no planned shape
+        await hook(progress)
+    if last is not None:
+        label, run = last
+        progress.done, progress.step = len(steps), label
+        if say is not None:
+            say(progress.line())
+        await run()
+    progress.done = progress.total
     progress.finish()
     if say is not None:
         say(progress.line())
-    if hook is not None:
-        await hook(progress)
 
 
 async def _drain(engine: GenerationEngine, request: GenerationRequest) -> None:
