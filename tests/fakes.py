@@ -242,6 +242,17 @@ def serve(
         served.stop()
 
 
+class ServicerContext:
+    """What a node's RPC handler reads of gRPC's context, for calling one directly: a
+    loopback peer; an abort fails the test with its details."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    async def abort(self, code: object, details: str) -> None:
+        raise AssertionError(f"aborted: {details}")
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
     """Poll `predicate` until it holds, failing after `timeout_s`: no fixed sleeps in tests."""
     deadline = time.monotonic() + timeout_s

@@ -19,6 +19,7 @@ from cluster.hosts.remote import node_argv
 from cluster.hosts.service import NodeService as HostService
 from node.keep_awake import KeepAwake
 from proto import cluster_pb2 as pb
+from tests.fakes import ServicerContext
 
 MODEL = Path(__file__).resolve().parent.parent / "cluster" / "assets" / "qwen3_5-tiny-mtp"
 
@@ -130,13 +131,6 @@ def test_the_node_holds_it_while_a_shard_is_loaded(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(server, "KeepAwake", keep_awake)
 
-    class Context:
-        def peer(self) -> str:
-            return "ipv4:127.0.0.1:1"
-
-        async def abort(self, code: object, details: str) -> None:
-            raise AssertionError(f"aborted: {details}")
-
     async def run() -> None:
         settings = server.NodeSettings(token="t", node_id="mac-1")
         node = server.NodeService(settings, WeightsStore(tmp_path / "store"))
@@ -146,10 +140,11 @@ def test_the_node_holds_it_while_a_shard_is_loaded(tmp_path: Path, monkeypatch: 
             request = pb.LoadShardRequest(
                 model_dir=str(MODEL), start=0, end=8, is_head=True, is_tail=True, epoch=1
             )
-            info = await node.LoadShard(request, Context())
+            info = await node.LoadShard(request, ServicerContext())
             assert info.keeps_awake and "-i -s -w" in info.keep_awake_note, info
             first = made[0]._process.pid
-            info = await node.LoadShard(request, Context())  # another shard: released, taken
+            # Another shard: released, taken again.
+            info = await node.LoadShard(request, ServicerContext())
             assert info.keeps_awake and not alive(first)
             second = made[0]._process.pid
         finally:

@@ -18,6 +18,7 @@ from cluster.config import bundled_model_path
 from cluster.decode import kernel_builds
 from cluster.decode.kernel_builds import KernelPlan, build_kernels, merge_into, run_share
 from cluster.decode.warmup import WarmupArgs
+from tests.fakes import ServicerContext
 
 # A plan of few steps: prefills of 4, 8 and 20 tokens, decode batches of 1 and 2 at each depth
 # `auto` may choose, and a wave of 2 prompts.
@@ -125,13 +126,6 @@ def test_a_node_builds_the_plan_its_load_request_carries_beside_the_load(tmp_pat
 
     monkeypatch.setattr(server, "build_kernels", build)
 
-    class Context:
-        def peer(self) -> str:
-            return "ipv4:127.0.0.1:1"
-
-        async def abort(self, code: object, details: str) -> None:
-            raise AssertionError(f"aborted: {details}")
-
     async def run() -> pb.NodeInfo:
         node = server.NodeService(server.NodeSettings(token="t"), WeightsStore(tmp_path / "s"))
         try:
@@ -140,7 +134,7 @@ def test_a_node_builds_the_plan_its_load_request_carries_beside_the_load(tmp_pat
                 next_node="127.0.0.1:1",
             )  # fmt: skip
             request.warmup.CopyFrom(warmup_to_proto(ARGS))
-            return await node.LoadShard(request, Context())
+            return await node.LoadShard(request, ServicerContext())
         finally:
             await node.close()
 
