@@ -4,9 +4,9 @@ MLX on CUDA compiles a kernel (with NVRTC, on one CPU core) the first time a pro
 and keeps what it compiled in a cache directory that the host's processes share
 (`MLX_PTX_CACHE_DIR`, by default `$TMPDIR/mlx/<version>/ptx`). On a host whose cache is empty the
 warm-up (`cluster.decode.warmup`) spends most of its time compiling, one kernel after the other:
-measured on an H200 at the 27B shape, MLX's quantized matmul builds one kernel for steps of up to
-16 rows a request and one for more, 31-35 s each, and the fused and custom kernels of the other
-steps 1-2 s each; a new host's warm-up took 218-244 s against 52 s once the cache held them.
+on an H200 at the 27B shape, MLX's quantized matmul takes one kernel for steps of up to 16 rows a
+request and one for more, over 30 s each, and the fused and custom kernels of the other steps 1-2
+s each, so a warm-up of under a minute on a host that has them takes minutes on one that has not.
 
 So where kernels are compiled on first use (`compiles_kernels`), a node starts `build_kernels`
 beside its load: up to `default_workers()` processes, each of which loads a small copy of the
@@ -20,10 +20,11 @@ instead. Each copy costs its weights in GPU memory (about 2 GB at the 27B shape 
 What it guarantees:
 - Nothing it does changes a result: it only fills the cache. A process that fails, or a build
   cut short, leaves the rest to the warm-up (logged, never raised).
-- The processes write into a build directory of their own (seeded with links to what the host's
-  cache held, so what is built is never built twice), and each new file moves into the host's
-  cache whole (a rename, the kernel list before the kernel): another process reading the cache
-  never meets a half-written one.
+- A node's processes write into a build directory of its own (seeded with links to what the
+  host's cache held, so nothing there is built again; they share what they build), and each new
+  file then moves into the host's cache whole (a rename, the kernel list before the kernel): a
+  node reading the host's cache never meets a half-written file. (A build process may, as it
+  reads one that another is writing: it then fails, and the warm-up builds what it had left.)
 - A host that has built a plan's kernels once (a marker file in its cache names the plan) skips
   the build on every later load: a restart costs no process.
 
