@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import mlx.core as mx
@@ -31,6 +32,7 @@ from cluster.decode.runner import ShardRunner
 from cluster.decode.warmup import WarmupArgs
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError
+from cluster.model.footprint import ModelFootprint
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
 from cluster.transport.auth import TLSConfig, TokenInterceptor
@@ -65,6 +67,18 @@ def warmup_from_proto(m: pb.WarmupPlan) -> WarmupArgs:
         mtp_depth="auto" if m.mtp_depth_auto else m.mtp_depth,
         has_mtp=m.has_mtp,
     )
+
+
+def memory_left_by(model_dir: str | Path, spec: ShardSpec) -> int | None:
+    """The node's memory (`total_memory_bytes`) less what `spec`'s weights take, from the
+    checkpoint's headers; None where they cannot be read."""
+    try:
+        footprint = ModelFootprint.from_dir(model_dir)
+    except (OSError, ValueError):
+        return None
+    layers = sum(footprint.layer_weight_bytes[spec.start : spec.end])
+    weights = layers + footprint.extra_bytes(is_head=spec.is_head, is_tail=spec.is_tail)
+    return total_memory_bytes() - weights
 
 
 def mlx_cache_limit(runner: ShardRunner, weights_bytes: int) -> int:
@@ -250,7 +264,8 @@ class NodeService(pb_grpc.NodeServicer):
                         str(model_dir), request.dtype, warmup_from_proto(request.warmup),
                         (spec.start, spec.end),
                     )  # fmt: skip
-                    builds = asyncio.create_task(build_kernels(plan))
+                    free = memory_left_by(model_dir, spec)
+                    builds = asyncio.create_task(build_kernels(plan, free_bytes=free))
                 try:
                     shard = await self.worker.run(
                         load_shard, model_dir, spec, dtype=dtype, for_decoding=True

@@ -119,9 +119,11 @@ def test_a_node_builds_the_plan_its_load_request_carries_beside_the_load(tmp_pat
     from proto import cluster_pb2 as pb
 
     plans: list[KernelPlan] = []
+    free: list[int | None] = []
 
-    async def build(plan: KernelPlan) -> kernel_builds.KernelBuildReport:
+    async def build(plan: KernelPlan, free_bytes: int | None) -> kernel_builds.KernelBuildReport:
         plans.append(plan)
+        free.append(free_bytes)
         return await build_kernels(plan, workers=2, cache_dir=tmp_path / "ptx", force=True)
 
     monkeypatch.setattr(server, "build_kernels", build)
@@ -140,6 +142,7 @@ def test_a_node_builds_the_plan_its_load_request_carries_beside_the_load(tmp_pat
 
     info = asyncio.run(run())
     assert [(p.warmup, p.layers) for p in plans] == [(ARGS, (0, 4))]
+    assert 0 < free[0] < server.total_memory_bytes()  # what the node's own shard leaves
     assert (
         info.kernel_builds.startswith("kernels built ahead in ")
         and "2 processes" in info.kernel_builds
@@ -180,3 +183,22 @@ def test_processes_past_the_deadline_are_stopped_and_what_was_built_is_kept(tmp_
     )
     assert (report.workers, report.failed, report.new_files) == (2, 1, 4)
     assert sorted(p.name for p in cache.iterdir()) == ["k0.ptx", "k0.txt", "k1.ptx", "k1.txt"]
+
+
+def test_processes_are_as_many_as_half_the_memory_left_holds(tmp_path: Path):
+    from cluster.model.footprint import ModelFootprint
+
+    footprint = ModelFootprint.from_dir(bundled_model_path())
+    copy = sum(footprint.layer_weight_bytes[0:4]) + footprint.extra_bytes(
+        is_head=True, is_tail=True
+    )
+    per_worker = 1.5 * copy + kernel_builds.CONTEXT_BYTES
+    assert kernel_builds.workers_within(plan(), int(per_worker * 2 * 64)) == (
+        kernel_builds.default_workers()
+    )
+    assert kernel_builds.workers_within(plan(), int(per_worker * 2 * 1.5)) == 1
+    assert kernel_builds.workers_within(plan(), int(per_worker)) == 0
+    report = asyncio.run(
+        build_kernels(plan(), free_bytes=int(per_worker), cache_dir=tmp_path, force=True)
+    )
+    assert report.workers == 0 and "memory" in report.skipped

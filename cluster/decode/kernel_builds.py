@@ -54,6 +54,7 @@ from cluster.decode.pipeline import LocalPipeline
 from cluster.decode.runner import ShardRunner
 from cluster.decode.warmup import Driven, WarmupArgs, WarmupProgress, WarmupStep, run_warmup
 from cluster.decode.worker import MLXWorker
+from cluster.model.footprint import ModelFootprint
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
 
@@ -65,6 +66,7 @@ MAX_WORKERS = 8
 # Set to 0, no node builds kernels ahead (its warm-up builds them, one after the other).
 SWITCH = "CLUSTER_KERNEL_BUILDS"
 NOT_COMPILED_HERE = "kernels here are not compiled at first use"
+CONTEXT_BYTES = 1 << 30  # a process's CUDA context and MLX's own buffers, about
 # A build process still running after this long is stopped: the warm-up builds what it had left.
 DEADLINE_S = 300.0
 
@@ -145,6 +147,22 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, (os.cpu_count() or 2) // 2))
 
 
+def workers_within(plan: KernelPlan, free_bytes: int) -> int:
+    """`default_workers()`, fewer where their copies of the model would take more than half
+    of `free_bytes` (the device's memory that the node's own shard leaves): each costs its copy's
+    weights half again (activations, caches) and a CUDA context; 0 where not one fits."""
+    footprint = ModelFootprint.from_dir(plan.model_dir)
+    start, end = plan.layers
+    layers = sum(footprint.layer_weight_bytes[start : min(end, start + _kind_span(plan))])
+    per_worker = 1.5 * (layers + footprint.extra_bytes(is_head=True, is_tail=True)) + CONTEXT_BYTES
+    return min(default_workers(), int(max(free_bytes, 0) / 2 // per_worker))
+
+
+def _kind_span(plan: KernelPlan) -> int:
+    """Layers of the small copy: one of each kind (attention every this many)."""
+    return load_model_config(plan.model_dir).text.full_attention_interval
+
+
 def share_steps(total: int, workers: int) -> list[list[int]]:
     """The warm-up's step indices dealt to `workers` processes in turn: the costly first steps
     of each kind (a prompt's first chunk over 16 rows, a batch's first verify step) land on
@@ -157,14 +175,17 @@ async def build_kernels(
     plan: KernelPlan,
     *,
     workers: int | None = None,
+    free_bytes: int | None = None,
     cache_dir: Path | None = None,
     deadline_s: float = DEADLINE_S,
     force: bool = False,
 ) -> KernelBuildReport:
     """Run `plan`'s warm-up steps in parallel processes that fill the host's kernel cache
-    (`cache_dir`, None: MLX's), unless kernels are not compiled here or the host built this
-    plan already (`force`: on any backend). Processes still running after `deadline_s` are
-    stopped, what they built kept. Never raises for a failed build."""
+    (`cache_dir`, None: MLX's): `workers` of them (None: as many as `free_bytes` of device
+    memory holds, `workers_within`; with neither, `default_workers()`), unless kernels are
+    not compiled here or the host built this plan already (`force`: on any backend).
+    Processes still running after `deadline_s` are stopped, what they built kept. Never
+    raises for a failed build."""
     if os.environ.get(SWITCH, "1") == "0":
         return KernelBuildReport(0, 0.0, skipped=f"turned off ({SWITCH}=0)")
     if not force and not compiles_kernels():
@@ -175,13 +196,17 @@ async def build_kernels(
         marker = cache / f"kernel-plan-{plan.key()}.built"
         if marker.exists():
             return KernelBuildReport(0, 0.0, skipped="this host built them at an earlier load")
+        if workers is None:
+            workers = default_workers() if free_bytes is None else workers_within(plan, free_bytes)
+        if workers < 1:
+            return KernelBuildReport(0, 0.0, skipped="no device memory for a copy of the model")
+        shares = share_steps(len(plan.steps()), workers)
         cache.mkdir(parents=True, exist_ok=True)
         build = Path(tempfile.mkdtemp(prefix=f"{cache.name}-build-", dir=cache.parent))
-    except OSError as error:
-        return KernelBuildReport(0, 0.0, skipped=f"no kernel cache: {error}")
+    except (OSError, ValueError) as error:  # no cache directory; a checkpoint it cannot read
+        return KernelBuildReport(0, 0.0, skipped=f"cannot build: {error}")
     try:
         _link_all(cache, build)
-        shares = share_steps(len(plan.steps()), workers or default_workers())
         runs = [asyncio.ensure_future(_run_worker(plan, share, build)) for share in shares]
         done, late = await asyncio.wait(runs, timeout=deadline_s)
         for run in late:  # killed (`_run_worker`); what they built so far is kept
@@ -249,7 +274,7 @@ async def run_share(plan: KernelPlan, steps: list[int]) -> list[Driven]:
     """In a build process: load the model's small copy and run `steps` of the plan's warm-up
     through it; returns what each step drove."""
     config = load_model_config(plan.model_dir)
-    end = min(plan.layers[1], plan.layers[0] + config.text.full_attention_interval)
+    end = min(plan.layers[1], plan.layers[0] + _kind_span(plan))
     spec = ShardSpec(plan.layers[0], end, is_head=True, is_tail=True)
     dtype = getattr(mx, plan.dtype) if plan.dtype else None
     worker = MLXWorker(spin_s=0.0)
