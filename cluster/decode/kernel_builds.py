@@ -295,8 +295,8 @@ async def run_share(plan: KernelPlan, steps: list[int]) -> list[Driven]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m cluster.decode.kernel_builds JOB`: JOB is `{"plan": KernelPlan fields,
-    "steps": [indices]}`; prints what each step drove, as JSON lines."""
+    """`python -m cluster.decode.kernel_builds JOB`: JOB is `{"plan": KernelPlan.as_json(),
+    "steps": [indices of its steps]}`; prints what each step drove, as JSON lines."""
     job = json.loads(argv[0])
     plan = KernelPlan.from_json(job["plan"])
     for driven in asyncio.run(run_share(plan, job["steps"])):
