@@ -123,8 +123,9 @@ class KernelBuildReport:
         if self.skipped:
             return f"kernel builds skipped: {self.skipped}"
         failed = f", {self.failed} failed" if self.failed else ""
+        processes = "process" if self.workers == 1 else "processes"
         return (
-            f"kernels built ahead in {self.seconds:.1f} s by {self.workers} processes"
+            f"kernels built ahead in {self.seconds:.1f} s by {self.workers} {processes}"
             f" ({self.new_files} new files{failed})"
         )
 
