@@ -202,3 +202,32 @@ def test_processes_are_as_many_as_half_the_memory_left_holds(tmp_path: Path):
         build_kernels(plan(), free_bytes=int(per_worker), cache_dir=tmp_path, force=True)
     )
     assert report.workers == 0 and "memory" in report.skipped
+
+
+def test_a_cancelled_build_leaves_no_process_running(tmp_path, monkeypatch):
+    """A node whose load fails cancels its build: every build process is stopped with it."""
+    running: set[int] = set()
+
+    async def slow_worker(plan: KernelPlan, steps: list[int], build: Path) -> bool:
+        running.add(steps[0])
+        try:
+            await asyncio.sleep(60)
+        finally:
+            running.discard(steps[0])
+        return True
+
+    monkeypatch.setattr(kernel_builds, "_run_worker", slow_worker)
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(
+            build_kernels(plan(), workers=2, cache_dir=tmp_path / "ptx", force=True)
+        )
+        while len(running) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert running == set()
+    assert [p.name for p in tmp_path.iterdir()] == ["ptx"]  # the build directory is gone

@@ -209,10 +209,13 @@ async def build_kernels(
     try:
         _link_all(cache, build)
         runs = [asyncio.ensure_future(_run_worker(plan, share, build)) for share in shares]
-        done, late = await asyncio.wait(runs, timeout=deadline_s)
-        for run in late:  # killed (`_run_worker`); what they built so far is kept
-            run.cancel()
-        await asyncio.gather(*late, return_exceptions=True)
+        late = set(runs)  # all of them where the build itself is cancelled (a failed load)
+        try:
+            done, late = await asyncio.wait(runs, timeout=deadline_s)
+        finally:
+            for run in late:  # killed (`_run_worker`); what they built so far is kept
+                run.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         failed = len(late) + sum(not run.result() for run in done)
         new_files = merge_into(build, cache)
         if not failed:
