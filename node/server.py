@@ -27,7 +27,12 @@ from mlx.utils import tree_flatten
 from cluster import __version__
 from cluster.config import ModelDirError
 from cluster.decode import late_input
-from cluster.decode.kernel_builds import KernelBuildReport, KernelPlan, build_kernels
+from cluster.decode.kernel_builds import (
+    KernelBuildReport,
+    KernelPlan,
+    build_kernels,
+    compiles_kernels,
+)
 from cluster.decode.runner import ShardRunner
 from cluster.decode.warmup import WarmupArgs
 from cluster.decode.worker import MLXWorker
@@ -264,7 +269,8 @@ class NodeService(pb_grpc.NodeServicer):
                         str(model_dir), request.dtype, warmup_from_proto(request.warmup),
                         (spec.start, spec.end),
                     )  # fmt: skip
-                    free = memory_left_by(model_dir, spec)
+                    # The checkpoint's headers are read only where a build may run.
+                    free = memory_left_by(model_dir, spec) if compiles_kernels() else None
                     builds = asyncio.create_task(build_kernels(plan, free_bytes=free))
                 try:
                     shard = await self.worker.run(
