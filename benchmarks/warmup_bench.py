@@ -4,9 +4,10 @@ built ahead beside the load (`cluster.decode.kernel_builds`) and without, side b
 Each variant starts `cluster up --local NODES` with an empty MLX kernel cache of its own
 (`MLX_PTX_CACHE_DIR`: what a new host has), so both variants meet a new host on one machine.
 It times the start until `/health` says ok, reads the warm-up's seconds and each node's
-kernel-build line, then (unless `--no-bench`) runs `cluster bench` once, as the first users
-would: the first request's TTFT over the next three, and the ITL p50 and p99 when 8 requests
-first arrive together.
+kernel-build line, then (unless `--no-bench`) runs `cluster bench` twice: first as the first
+users would (the first request's TTFT over the next three, and the ITL p50 and p99 when 8
+requests first arrive together), then again on the now warm cluster, the same figures a
+warm cluster gives. `--keep DIR` keeps each variant's `cluster up` log and bench reports.
 
     python -m benchmarks.warmup_bench --shape qwen3_5_27b --builds on,off --json $OUT/warm.json
 
@@ -36,8 +37,11 @@ BENCH = ("--prompt-tokens", "128", "--concurrency", "1,8", "--max-tokens", "64",
          "--sampling", "greedy", "--baseline", "none")  # fmt: skip
 
 
-def run_variant(model: Path, nodes: int, builds: bool, bench: bool, timeout_s: float) -> dict:
-    """One `cluster up` on an empty kernel cache, with kernel builds on or off."""
+def run_variant(
+    model: Path, nodes: int, builds: bool, bench: bool, timeout_s: float, keep: Path | None = None
+) -> dict:
+    """One `cluster up` on an empty kernel cache, with kernel builds on or off; `keep`: where
+    its log and bench reports are left (else they are removed)."""
     cache = Path(tempfile.mkdtemp(prefix="warmup-bench-ptx-"))
     out = Path(tempfile.mkdtemp(prefix="warmup-bench-out-"))
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(cache), SWITCH: "1" if builds else "0"}
@@ -51,12 +55,19 @@ def run_variant(model: Path, nodes: int, builds: bool, bench: bool, timeout_s: f
     result: dict[str, Any] = {"builds": builds}
     try:
         result["ready_s"] = _wait_healthy(url, up, timeout_s) - started
+        result["ready_unix_s"] = time.time()
         metrics = _get(f"{url}/metrics")
         result["warmup_s"] = _gauge(metrics, "cluster_warmup_seconds")
         nodes_seen = json.loads(_get(f"{url}/api/cluster"))["nodes"]
         result["kernel_builds"] = {n["node_id"]: n.get("kernel_builds", "") for n in nodes_seen}
         if bench:
-            result |= _first_users(url, model, out)
+            result |= _bench_users(url, model, out / "bench-first")
+            warm = _bench_users(url, model, out / "bench-warm")
+            result |= {f"warm_{name}": value for name, value in warm.items()}
+    except Exception:
+        log.flush()
+        sys.stderr.write("cluster up's last lines:\n" + _tail(out / "up.log"))
+        raise
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -65,21 +76,30 @@ def run_variant(model: Path, nodes: int, builds: bool, bench: bool, timeout_s: f
             up.kill()
             up.wait()
         log.close()
-        result["cache_files"] = sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0
+        files = list(cache.iterdir()) if cache.is_dir() else []
+        result["cache_files"] = len(files)
+        # What was compiled once the cluster said it was ready: what its first users waited for.
+        ready = result.get("ready_unix_s", float("inf"))
+        result["built_after_ready"] = sorted(f.name for f in files if f.stat().st_mtime > ready)
         shutil.rmtree(cache, ignore_errors=True)
+        if keep is not None:  # flat: the reports' plots are left out
+            keep.mkdir(parents=True, exist_ok=True)
+            for report in [out / "up.log", *out.glob("*/bench.json")]:
+                name = "-".join(report.relative_to(out).parts)
+                shutil.copy(report, keep / f"builds-{'on' if builds else 'off'}-{name}")
         shutil.rmtree(out, ignore_errors=True)
     return result
 
 
-def _first_users(url: str, model: Path, out: Path) -> dict:
+def _bench_users(url: str, model: Path, out: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "cluster", "bench", "--url", url, "--model", str(model), *BENCH,
-         "--out", str(out / "bench")],
+         "--out", str(out)],
         capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"cluster bench failed: {done.stderr[-2000:]}")
-    report = json.loads((out / "bench" / "bench.json").read_text())
+    report = json.loads((out / "bench.json").read_text())
     eight = next(s for s in report["scenarios"] if s["settings"]["concurrency"] == 8)["metrics"]
     return {
         "first_request_over_warm": report["first_request"]["over_warm"],
@@ -103,6 +123,10 @@ def _wait_healthy(url: str, up: subprocess.Popen, timeout_s: float) -> float:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"not ready after {timeout_s:.0f} s")
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
 
 def _get(url: str) -> str:
@@ -129,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--builds", default="on,off", help="on, off or both, in this order")
     parser.add_argument("--no-bench", action="store_true", help="time the start only")
+    parser.add_argument("--keep", type=Path, default=None, help="keep logs and reports here")
     parser.add_argument("--timeout-s", type=float, default=900.0)  # fmt: skip
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.builds.split(",")]
@@ -140,14 +165,18 @@ def main(argv: list[str] | None = None) -> None:
         random_checkpoint.write_checkpoint(model, args.shape, args.bits, 64, 0)
     runs = []
     for variant in variants:
-        run = run_variant(model, args.nodes, variant == "on", not args.no_bench, args.timeout_s)
+        on = variant == "on"
+        run = run_variant(model, args.nodes, on, not args.no_bench, args.timeout_s, args.keep)
         runs.append(run)
         line = f"builds {variant}: ready after {run['ready_s']:.1f} s"
         line += f", warm-up {run['warmup_s']:.1f} s"
         if "c8_itl_p99_ms" in run:
             line += (f", first request {run['first_request_over_warm']:.2f}x warm,"
-                     f" c=8 ITL p99 {run['c8_itl_p99_over_p50']:.1f}x p50")  # fmt: skip
+                     f" c=8 ITL p99 {run['c8_itl_p99_over_p50']:.1f}x p50"
+                     f" ({run['warm_c8_itl_p99_over_p50']:.1f}x when warm)")  # fmt: skip
         print(line, flush=True)
+        if run["built_after_ready"]:
+            print(f"  compiled after ready: {', '.join(run['built_after_ready'])}")
         for node, line in run["kernel_builds"].items():
             if line:
                 print(f"  {node}: {line}")

@@ -57,9 +57,12 @@ CYCLE = 4  # synthetic prompts repeat a cycle of this many tokens
 # caches) that such prefills leave, with MTP as served (under `auto`, requests of one batch at
 # different depths). Shapes of their own that single requests of the steps above never make:
 # a cluster that skipped them stalled for seconds when its first users came together. The
-# length is one that no step above prefills, so that what the wave builds is what several
-# prompts together need, not what one length does.
+# lengths are ones that no step above prefills, so that what the wave builds is what several
+# prompts together need, not what one length does; and they differ (WAVE_PROMPT_TOKENS less
+# 0 .. WAVE_SPREAD - 1), as users' prompts do: a prefill of prompts of several lengths
+# attends prompt by prompt, and their decode batches stand at different offsets.
 WAVE_PROMPT_TOKENS = 100
+WAVE_SPREAD = 4
 WAVE_TOKENS = 8
 # Every other request samples: these touch the filters (top-k, top-p, min-p) and the
 # seeded sampler that a user's request may ask for.
@@ -100,7 +103,7 @@ class Variant:
 class WarmupStep:
     """One line of the warm-up's progress, run once for each of `variants`, one after the
     other: a prefill of `size` prompt tokens; a decode batch of `size` requests; or a wave of
-    `size` users' prompts of WAVE_PROMPT_TOKENS at once, decoding as served requests do."""
+    `size` users' prompts of about WAVE_PROMPT_TOKENS at once, decoding as served requests do."""
 
     kind: Literal["prefill", "decode", "wave"]
     size: int
@@ -124,7 +127,7 @@ class WarmupStep:
         if self.kind == "wave":
             return [
                 GenerationRequest(
-                    synthetic_prompt(WAVE_PROMPT_TOKENS, i, vocab_size),
+                    synthetic_prompt(WAVE_PROMPT_TOKENS - i % WAVE_SPREAD, i, vocab_size),
                     WAVE_TOKENS,
                     variant.options(sampled=i % 2 == 1),
                     request_id=_request_id(),
