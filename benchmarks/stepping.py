@@ -25,6 +25,7 @@ from benchmarks.common import load_tokenizer
 from cluster.config import load_model_config
 from cluster.decode.runner import ShardRunner
 from cluster.messages import RequestOptions, SamplingParams, StepRequest
+from cluster.model.fast_path import DecodeFastPath
 from cluster.model.loading import load_shard
 from cluster.model.shard import ShardSpec
 
@@ -42,19 +43,21 @@ def prompt_ids(model_dir: Path, text: str) -> tuple[int, ...]:
     return tuple(load_tokenizer(model_dir).encode(text))
 
 
-def bare_runner(model_dir: Path) -> ShardRunner:
-    """The whole model as the engine loads it, each step timed alone (nothing built ahead)."""
+def bare_runner(model_dir: Path, fast_path: DecodeFastPath | None = None) -> ShardRunner:
+    """The whole model as the engine loads it (its fast path the device's unless given), each
+    step timed alone (nothing built ahead)."""
     spec = ShardSpec.whole(load_model_config(model_dir).num_layers)
-    return ShardRunner(load_shard(model_dir, spec, for_decoding=True), lookahead=False)
+    shard = load_shard(model_dir, spec, for_decoding=True, fast_path=fast_path)
+    return ShardRunner(shard, lookahead=False)
 
 
 class SteppedRequests:
     """`size` live requests on a bare runner, stepped together by hand and sampled as
     `sampling` says (greedy by default; each request its own seed). Each step feeds every
-    request its last token and the tail's own drafts for it (`depth` of them; None: MTP off),
-    with the rollback of the drafts the last step rejected. Once their context passes
-    `FRESH_AFTER` positions they are released and fresh ones opened on the same prompt. A
-    call is one step; it returns the step's seconds."""
+    request its last token and the tail's own drafts for it (`depth` of them; None: MTP off;
+    a tuple: each request's), with the rollback of the drafts the last step rejected. Once
+    their context passes `FRESH_AFTER` positions they are released and fresh ones opened on
+    the same prompt. A call is one step; it returns the step's seconds."""
 
     def __init__(
         self,
@@ -62,27 +65,30 @@ class SteppedRequests:
         ids: tuple[int, ...],
         *,
         size: int = 1,
-        depth: int | None = None,
+        depth: int | tuple[int | None, ...] | None = None,
         sampling: SamplingParams | None = None,
         name: str = "stepped",
     ):
-        self.runner, self.ids, self.size, self.depth = runner, ids, size, depth
+        self.runner, self.ids, self.size = runner, ids, size
+        self.depths = depth if isinstance(depth, tuple) else (depth,) * size
+        if len(self.depths) != size:
+            raise ValueError(f"{len(self.depths)} depths for {size} requests")
         self.sampling, self.name = sampling or SamplingParams(), name
         self.opened = 0
         self._open()
 
-    def _options(self, seed: int) -> RequestOptions:
+    def _options(self, depth: int | None, seed: int) -> RequestOptions:
         sampling = dataclasses.replace(self.sampling, seed=seed)
-        if self.depth is None:
+        if depth is None:
             return RequestOptions(sampling, mtp=False)
-        return RequestOptions(sampling, mtp=True, mtp_depth=self.depth)
+        return RequestOptions(sampling, mtp=True, mtp_depth=depth)
 
     def _open(self) -> None:
         first = self.opened * self.size
         self.opened += 1
         self.steps = [
-            StepRequest(f"{self.name}-{first + i}", self.ids, 0, options=self._options(first + i))
-            for i in range(self.size)
+            StepRequest(f"{self.name}-{n}", self.ids, 0, options=self._options(depth, n))
+            for n, depth in enumerate(self.depths, start=first)
         ]
         self.results = self.runner.run(self.steps).results
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from cluster.decode.late_input import LateInput
-from cluster.decode.pipeline import take_batch
+from cluster.decode.pipeline import is_prompt_chunk, take_batch
 from cluster.decode.runner import CacheBudgetError, ShardRunner, without_tokens
 from cluster.decode.worker import MLXWorker
 from cluster.messages import RequestError, StepRequest, UnknownRequestError
@@ -431,7 +431,8 @@ class Stage:
 
     def _take(self) -> list[_Inbound]:
         """Queued messages to run together, in arrival order (`take_batch`); on a head with
-        micro-batches, at most its share of the requests live on the pipeline."""
+        micro-batches, at most its share of the requests live on the pipeline in decode steps,
+        and every prompt chunk queued beside them (`is_prompt_chunk`)."""
         share = None
         if self.micro_batches > 1:
             # Held by the shard, or queued for their first step. (Lookups only: releases
@@ -445,6 +446,7 @@ class Stage:
             ids=lambda item: item.request_ids,
             size=lambda item: sum(len(e.tokens) for e in item.message.entries),
             max_requests=share,
+            capped=lambda item: not all(map(is_prompt_chunk, item.message.entries)),
         )
 
     async def _process(self, batch: list[_Inbound]) -> None:

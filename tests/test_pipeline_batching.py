@@ -72,9 +72,10 @@ def _stage(is_head: bool, live: str, micro_batches: int) -> Stage:
     return stage
 
 
-def _queue_steps(stage: Stage, request_ids: str) -> None:
+def _queue_steps(stage: Stage, request_ids: str, tokens: int = 1) -> None:
+    """A message per request: a decode step, or a prompt chunk of `tokens` tokens."""
     for rid in request_ids:
-        entry = pb.StepEntry(request_id=rid, tokens=[1], position=4)
+        entry = pb.StepEntry(request_id=rid, tokens=[1] * tokens, position=0 if tokens > 1 else 4)
         stage.accept(pb.StepBatch(entries=[entry]), lambda _event: None)
 
 
@@ -107,6 +108,42 @@ def test_the_head_lets_its_share_of_the_live_requests_in_at_a_time() -> None:
             await middle.close()
 
     asyncio.run(go())
+
+
+def test_the_head_prefills_prompts_queued_together_as_one_batch() -> None:
+    """Users arriving at once: their prompts' chunks are not split between micro-batches (the
+    first group would start decoding, then wait for the next group's prefill); decode steps
+    queued beside them still are, and so is the position limit."""
+
+    async def go() -> None:
+        head = _stage(is_head=True, live="a", micro_batches=2)
+        try:
+            _queue_steps(head, "bcdefgh", tokens=100)
+            assert _taken(head) == list("bcdefgh")  # 8 live, a share of 4: all 7 prompts
+            _queue_steps(head, "a")
+            _queue_steps(head, "xyz", tokens=100)
+            _queue_steps(head, "bcdefgh")
+            # 11 live, a share of 6: a's step, the 3 prompts, then 5 of the decode steps
+            assert _taken(head) == list("axyzbcdef")
+            assert _taken(head) == list("gh")
+            head.max_batch_positions = 250
+            _queue_steps(head, "pqr", tokens=100)
+            assert _taken(head) == list("pq")
+            assert _taken(head) == list("r")
+        finally:
+            await head.close()
+
+    asyncio.run(go())
+
+
+def test_prompt_chunks_count_in_no_share() -> None:
+    queue = deque([("a", 1), ("b", 9), ("c", 9), ("d", 1), ("e", 1)])
+    taken = take_batch(
+        queue, 100, ids=lambda item: (item[0],), size=lambda item: item[1], max_requests=2,
+        capped=lambda item: item[1] == 1,
+    )  # fmt: skip
+    assert taken == [("a", 1), ("b", 9), ("c", 9), ("d", 1)]
+    assert list(queue) == [("e", 1)]
 
 
 class _StepStream:
@@ -156,6 +193,27 @@ def test_the_driver_sends_the_steps_of_one_turn_as_one_message_per_group() -> No
     # 4 live, then 8: the share grows (the head merges queued groups up to its share).
     assert asyncio.run(go(2, "abcd", "efgh")) == ["ab", "cd", "efgh"]
     assert asyncio.run(go(1, "aba")) == ["ab", "a"]  # a request's next step: the next message
+
+
+def test_the_driver_sends_prompt_chunks_of_one_turn_in_one_message() -> None:
+    """Prompts submitted together travel as one message, not capped by the head's share;
+    decode steps submitted beside them keep their groups."""
+
+    async def go(steps: list[StepRequest]) -> list[str]:
+        pipeline = RemotePipeline([], max_context=256, micro_batches=2)
+        stream = _StepStream()
+        pipeline._head_call = stream
+        writer = asyncio.create_task(pipeline._write_steps())
+        waiting = [asyncio.ensure_future(pipeline.submit(step)) for step in steps]
+        await stream.wait_for(len(waiting))
+        for task in (writer, *waiting):
+            task.cancel()
+        return _sent(stream)
+
+    prompts = [StepRequest(rid, (1,) * 100, 0) for rid in "bcdefgh"]
+    decode = [StepRequest(rid, (1,), 4) for rid in "aijk"]
+    assert asyncio.run(go(prompts)) == ["bcdefgh"]
+    assert asyncio.run(go([decode[0], *prompts, *decode[1:]])) == ["aijk", "bcdefgh"]
 
 
 def test_the_driver_drops_the_queued_step_of_a_released_request() -> None:

@@ -37,37 +37,52 @@ class Pipeline(Protocol):
     async def release(self, request_id: str) -> None: ...
 
 
+def is_prompt_chunk(step: StepRequest) -> bool:
+    """Whether `step` (or a step message's entry) prefills a prompt: it confirms more than the
+    one token a decode step confirms.
+
+    A head's micro-batches cap decode steps only. Prompts queued together (users arriving at
+    once) prefill as one batch: split between micro-batches, the first group's requests would
+    start decoding and then wait for the next group's prefill, each such wait a gap many
+    decode steps long, while a prefill batch costs about the sum of its prompts either way."""
+    return len(step.tokens) - step.draft_len > 1
+
+
 def take_batch(
     queue: deque[T],
     limit: int,
     ids: Callable[[T], Collection[str]],
     size: Callable[[T], int],
     max_requests: int | None = None,
+    capped: Callable[[T], bool] | None = None,
 ) -> list[T]:
     """The oldest queued items to run as one batch: at most one step per request (a request's
     next chunk waits for the next batch), at most `limit` positions and at most `max_requests`
-    requests (the first item is always taken). The rest stay queued, in order: an item that
-    shares a request with one left queued stays queued too, so that no request's step overtakes
-    an earlier one (an item may carry steps of several requests). Shared by the local pipeline
-    and nodes."""
+    requests in the items that `capped` says (all by default); the first item is always taken.
+    The rest stay queued, in order: an item that shares a request with one left queued stays
+    queued too, so that no request's step overtakes an earlier one (an item may carry steps of
+    several requests). Shared by the local pipeline and nodes."""
     batch: list[T] = []
     seen: set[str] = set()
     held: set[str] = set()  # the requests of the items left queued
+    counted = 0  # requests of the capped items taken
     deferred: list[T] = []
     positions = 0
     while queue:
         item = queue.popleft()
         item_ids, item_size = ids(item), size(item)
+        is_capped = max_requests is not None and (capped is None or capped(item))
         if (
             not seen.isdisjoint(item_ids)
             or not held.isdisjoint(item_ids)
             or (batch and positions + item_size > limit)
-            or (batch and max_requests is not None and len(seen) + len(item_ids) > max_requests)
+            or (batch and is_capped and counted + len(item_ids) > max_requests)
         ):
             deferred.append(item)
             held.update(item_ids)
             continue
         seen.update(item_ids)
+        counted += len(item_ids) if is_capped else 0
         positions += item_size
         batch.append(item)
     queue.extendleft(reversed(deferred))

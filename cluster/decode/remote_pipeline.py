@@ -27,6 +27,7 @@ import grpc
 
 from cluster.config import load_model_config
 from cluster.decode.engine import GenerationEngine
+from cluster.decode.pipeline import is_prompt_chunk
 from cluster.decode.warmup import WarmupArgs
 from cluster.messages import StepRequest, StepResult
 from cluster.model.shard import even_ranges, shard_specs
@@ -324,19 +325,23 @@ class RemotePipeline:
 
     def _groups(self, steps: list[StepRequest]) -> list[list[StepRequest]]:
         """`steps` (in submission order) as the messages to send: each holds at most one step
-        of a request and at most the head's share of the live requests (as the head takes
-        them: `node.stage.Stage._take`), so its micro-batches form here already. Steps of
-        requests released meanwhile are dropped."""
+        of a request, and its decode steps at most the head's share of the live requests (as
+        the head takes them: `node.stage.Stage._take`), so its micro-batches form here
+        already; prompt chunks go in messages of their own, uncapped (`is_prompt_chunk`).
+        Steps of requests released meanwhile are dropped."""
         share = max(1, -(-len(self._pending) // self.micro_batches))
         groups: list[list[StepRequest]] = []
-        ids: set[str] = set()
+        open_groups: dict[bool, tuple[list[StepRequest], set[str]]] = {}
         for step in steps:
             if step.request_id not in self._pending:
                 continue
-            if not groups or len(groups[-1]) == share or step.request_id in ids:
-                groups.append([])
-                ids = set()
-            groups[-1].append(step)
+            chunk = is_prompt_chunk(step)
+            group, ids = open_groups.get(chunk, (None, set()))
+            if group is None or step.request_id in ids or (not chunk and len(group) == share):
+                group, ids = [], set()
+                groups.append(group)
+                open_groups[chunk] = (group, ids)
+            group.append(step)
             ids.add(step.request_id)
         return groups
 

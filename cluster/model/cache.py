@@ -288,6 +288,26 @@ class RequestCache:
         self.last_step_len = keep
         self.position -= drop
 
+    def drop_padding(self, pad: int) -> None:
+        """Undo the `pad` positions that the last step ran after this request's own
+        (`cluster.model.even_steps`): the attention caches trim them, and each GatedDeltaNet
+        layer takes the state it recorded after the request's positions; the snapshots at and
+        past them go (its own step records none there)."""
+        own = self.last_step_len
+        for index, cache in enumerate(self.layers):
+            if isinstance(cache, KVCache):
+                cache.trim(pad)
+                continue
+            snapshots = self.snapshots.get(index, {})
+            if own not in snapshots:
+                raise ValueError(f"no snapshot after position {own} of the step in layer {index}")
+            cache[0], cache[1] = snapshots[own]
+            kept = {keep: states for keep, states in snapshots.items() if keep < own}
+            if kept:
+                self.snapshots[index] = kept
+            else:
+                self.snapshots.pop(index, None)
+
     def resolve(self, drop: int) -> None:
         """The deferred verdict, read: it dropped `drop` positions. The step after it wrote its
         keys past the hole of the rejected drafts; they move down over it."""

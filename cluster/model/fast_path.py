@@ -38,6 +38,8 @@ class DecodeFastPath:
       one shape, runs the whole GatedDeltaNet decoder layer as one compiled call;
     - `compiled_batches`: a batch of several requests of mixed shapes runs each group's
       recurrence as one compiled call;
+    - `even_steps`: a batch whose requests' steps differ in length (drafts beside none) runs
+      them padded to one length (`cluster.model.even_steps`), as a batch of one shape;
     - `pad_rows_from`: a dense shard's steps of this many rows up to `PAD_TO` run their
       projections, norms and MLPs on `PAD_TO` rows (`cluster.model.row_padding`); None: never;
     - `few_row_kernel`: the quantized projections run the few-row and tensor-core kernels
@@ -49,6 +51,7 @@ class DecodeFastPath:
     compiled_steps: bool = False
     compiled_layers: bool = False
     compiled_batches: bool = False
+    even_steps: bool = False
     pad_rows_from: int | None = None
     few_row_kernel: bool = False
     recurrence_kernel: bool = False
@@ -67,6 +70,7 @@ class DecodeFastPath:
             compiled_steps=cuda,
             compiled_layers=cuda,
             compiled_batches=cuda,
+            even_steps=cuda,
             pad_rows_from=PAD_FROM if cuda else None,
             few_row_kernel=cuda,
             recurrence_kernel=cuda or metal,
@@ -80,4 +84,4 @@ class DecodeFastPath:
     @classmethod
     def everything(cls, *, pad_rows_from: int | None = PAD_FROM) -> DecodeFastPath:
         """Every part on, wherever the backend can run it (the CUDA kernels on CUDA only)."""
-        return cls(True, True, True, pad_rows_from, True, True)
+        return cls(True, True, True, True, pad_rows_from, True, True)

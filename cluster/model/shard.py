@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from cluster.config import ModelConfig
 from cluster.model import few_row_matmul
+from cluster.model.even_steps import EvenSteps
 from cluster.model.fast_path import DecodeFastPath
 from cluster.model.layers import LayerTraces, PackedDecoderLayer, Segment
 from cluster.model.mtp import MTPHead
@@ -142,6 +143,9 @@ class ModelShard(nn.Module):
     def __call__(self, x: mx.array, segments: list[Segment], *, launch: bool = True) -> mx.array:
         """The layers over `x` [1, L, hidden]; unless not to `launch` (`x` is not there yet:
         cluster.decode.late_input), the device starts on them as they are built."""
+        even = EvenSteps.of(segments) if self.fast_path.even_steps else None
+        if even is not None:
+            x, segments = even.pad(x), even.segments
         length = x.shape[1]
         if (pad_from := self._pad_rows_from) is not None:
             # A short step's dense layers run on the rows matmuls run cheapest.
@@ -155,7 +159,11 @@ class ModelShard(nn.Module):
                 # Start the device on the layers built so far while Python builds the rest:
                 # building a step's graph is milliseconds that the device would otherwise idle.
                 mx.async_eval(x)
-        return x if x.shape[1] == length else x[:, :length]
+        x = x if x.shape[1] == length else x[:, :length]
+        if even is not None:
+            even.drop_padding()
+            return even.unpad(x)
+        return x
 
     def logits(self, normed: mx.array) -> mx.array:
         if self.tied:
