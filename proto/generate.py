@@ -7,7 +7,8 @@ protoc runs with the repository root as include path and `proto/cluster.proto` a
 the generated service module imports its messages as `from proto import cluster_pb2`, the
 package path, rather than protoc's bare top-level `import cluster_pb2`. The output depends on
 the grpcio-tools version (it stamps its version into the files), so --check wants the version
-the files were made with; the mismatch message names it.
+the files were made with: the one the `test` extra pins (pyproject.toml). The mismatch message
+names the version it ran with.
 """
 
 from __future__ import annotations
